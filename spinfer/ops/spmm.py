@@ -1,0 +1,81 @@
+"""``spinfer::spmm``: ``y = x @ W.T + bias`` with ``W`` in TCA-BME.
+
+The public wrapper :func:`spmm` checks its inputs (naming what is wrong) and flattens
+leading batch dimensions; the op itself takes a contiguous ``x [N, K]`` and the three
+TCA-BME arrays.  The CPU implementation is the reference: decode, then multiply in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..format.tca_bme import TCABME, Geometry, check_structure, decode, validate_arrays
+from . import library  # noqa: F401  (defines the schema)
+
+
+def check_op_inputs(x, values, m: int, k: int, bias) -> None:
+    """Checks shared by every implementation of the op (x is already 2-D)."""
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"spinfer::spmm expects x of shape [N, {k}], got {tuple(x.shape)}")
+    if x.dtype != values.dtype:
+        raise TypeError(f"x is {x.dtype} but the weight is {values.dtype}; cast x to {values.dtype}")
+    if x.device != values.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {values.device}")
+    if bias is not None:
+        if bias.shape != (m,):
+            raise ValueError(f"bias must have shape ({m},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"bias is {bias.dtype} but x is {x.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+
+
+@torch.library.register_fake("spinfer::spmm")
+def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
+    check_op_inputs(x, values, m, k, bias)
+    return x.new_empty((x.shape[0], m))
+
+
+@torch.library.impl("spinfer::spmm", "CPU")
+def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
+    geom = Geometry(m, k, gt_h, gt_w)
+    # The arrays may come from anywhere when the op is called directly: check them fully.
+    validate_arrays(bitmap, values, gtile_offset, geom)
+    check_op_inputs(x, values, m, k, bias)
+    w = decode(bitmap, values, gtile_offset, (m, k), (gt_h, gt_w))
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``x [..., K]`` and a TCA-BME weight ``W [M, K]``; like
+    ``torch.nn.functional.linear``.  Output dtype is ``x.dtype`` (fp32 accumulation)."""
+    if not isinstance(weight, TCABME):
+        raise TypeError(f"weight must be a spinfer.TCABME, got {type(weight).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    m, k = weight.shape
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"x must have shape [..., {k}] to match the weight {m}x{k}, got {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    check_op_inputs(x2, weight.values, m, k, bias)
+    check_structure(weight.bitmap, weight.values, weight.gtile_offset, weight.geometry)
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, m))
+    if x2.is_cuda:
+        raise NotImplementedError(
+            "spinfer.spmm has no CUDA implementation in this build: the SMBD tensor-core "
+            "kernel is not compiled; move x and the weight to the CPU meanwhile"
+        )
+    gt_h, gt_w = weight.group_tile
+    y = torch.ops.spinfer.spmm(
+        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, bias
+    )
+    return y.reshape(*lead, m)

@@ -1,0 +1,63 @@
+"""One way to time an op, shared by the demo and the benchmarks.
+
+CPU: host clock around each call.  CUDA: events around each call after warm-up, with an
+optional L2 flush (writing a buffer larger than L2) before every timed call so weights that
+would fit in L2 are read from HBM as they are in a real model.  Median of the repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+_FLUSH: dict = {}
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    if key not in _FLUSH:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+        _FLUSH[key] = torch.empty(max(2 * l2, 128 << 20), dtype=torch.uint8, device=device)
+    return _FLUSH[key]
+
+
+def median_time(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    reps: int = 50,
+    warmup: int = 5,
+    flush_l2: bool = True,
+    max_seconds: Optional[float] = 10.0,
+) -> float:
+    """Median seconds of ``fn()`` on ``device``; stops early after ``max_seconds``."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    deadline = time.perf_counter() + max_seconds if max_seconds else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        flush = _l2_flush_buffer(device) if flush_l2 else None
+        for _ in range(reps):
+            if flush is not None:
+                flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+            if deadline and time.perf_counter() > deadline:
+                break
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            if deadline and time.perf_counter() > deadline:
+                break
+    return statistics.median(times)

@@ -1,0 +1,134 @@
+// CUDA implementations of the spinfer ops (schemas live in spinfer/ops/library.py).
+// Every check runs before a launch and raises ValueError/TypeError naming the problem.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "spmm_smbd.h"
+
+namespace spinfer {
+namespace {
+
+constexpr int64_t kGt = 64;
+
+struct Prepared {
+  at::Tensor x, bitmap, values;
+  int64_t kp;
+};
+
+// 16-byte cp.async needs 16-byte aligned bases; fresh allocations are, views may not be.
+at::Tensor aligned16(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
+                           const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h,
+                           int64_t gt_w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(gt_h == kGt && gt_w == kGt, "spinfer::spmm on CUDA supports GroupTile 64x64, got ",
+                    gt_h, "x", gt_w, "; re-encode with group_tile=(64, 64)");
+  TORCH_CHECK_VALUE(m >= 1 && k >= 1, "spinfer::spmm: weight shape must be at least 1x1, got ", m, "x", k);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "spinfer::spmm expects x of shape [N, ", k, "], got ",
+                    x.sizes());
+  TORCH_CHECK_TYPE(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16,
+                   "values must be torch.float16 or torch.bfloat16, got ", values.scalar_type());
+  TORCH_CHECK_TYPE(x.scalar_type() == values.scalar_type(), "x is ", x.scalar_type(),
+                   " but the weight is ", values.scalar_type());
+  TORCH_CHECK_TYPE(bitmap.scalar_type() == at::kLong, "bitmap must be torch.int64, got ",
+                   bitmap.scalar_type());
+  TORCH_CHECK_TYPE(gtile_offset.scalar_type() == at::kInt, "gtile_offset must be torch.int32, got ",
+                   gtile_offset.scalar_type());
+  for (const at::Tensor* t : {&bitmap, &values, &gtile_offset}) {
+    TORCH_CHECK_VALUE(t->is_cuda() && t->device() == x.device(), "x is on ", x.device(),
+                      " but a weight array is on ", t->device());
+    TORCH_CHECK_VALUE(t->dim() == 1, "TCA-BME arrays must be 1-D");
+  }
+  const int64_t grid_m = (m + kGt - 1) / kGt, grid_k = (k + kGt - 1) / kGt;
+  TORCH_CHECK_VALUE(bitmap.numel() == grid_m * grid_k * kGt, "bitmap has ", bitmap.numel(),
+                    " words, a ", m, "x", k, " weight needs ", grid_m * grid_k * kGt);
+  TORCH_CHECK_VALUE(gtile_offset.numel() == grid_m * grid_k + 1, "gtile_offset has ", gtile_offset.numel(),
+                    " entries, expected ", grid_m * grid_k + 1);
+  TORCH_CHECK_VALUE(values.numel() < (int64_t(1) << 31), "too many values for int32 offsets");
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == m, "bias must have shape (", m, ",), got ",
+                      bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "bias is ", bias->scalar_type(), " but x is ",
+                     x.scalar_type());
+    TORCH_CHECK_VALUE(bias->device() == x.device(), "bias is on ", bias->device(), " but x is on ", x.device());
+  }
+  Prepared p;
+  p.kp = grid_k * kGt;
+  // The kernel reads whole 64-column slices of x: pad K up to the GroupTile with zeros.
+  p.x = p.kp == k ? aligned16(x) : at::constant_pad_nd(x, {0, p.kp - k}, 0).contiguous();
+  p.bitmap = aligned16(bitmap);
+  p.values = aligned16(values);
+  return p;
+}
+
+void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, const std::optional<at::Tensor>& bias,
+         at::Tensor& y) {
+  const int64_t n = p.x.size(0);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(p.x.device());
+  const bool bf16 = p.x.scalar_type() == at::kBFloat16;
+  const SpmmPlan plan = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp),
+                                       p.x.get_device(), bf16);
+  at::Tensor workspace, counters;
+  if (plan.splits > 1) {
+    workspace = at::empty({plan.workspace_floats}, p.x.options().dtype(at::kFloat));
+    counters = at::zeros({plan.counters}, p.x.options().dtype(at::kInt));
+  }
+  at::Tensor offsets = gtile_offset.contiguous();
+  at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  SpmmArgs a{};
+  a.x = p.x.data_ptr();
+  a.bitmap = p.bitmap.data_ptr<int64_t>();
+  a.values = p.values.data_ptr();
+  a.gtile_offset = offsets.data_ptr<int32_t>();
+  a.bias = bias ? b.data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.workspace = plan.splits > 1 ? workspace.data_ptr<float>() : nullptr;
+  a.counters = plan.splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
+  a.m = static_cast<int>(m);
+  a.n = static_cast<int>(n);
+  a.kp = static_cast<int>(p.kp);
+  a.nvalues = p.values.numel();
+  a.bf16 = bf16;
+  C10_CUDA_CHECK(spmm_smbd_run(a, plan, at::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor spmm_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
+                     const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm (CUDA) got x on ", x.device());
+  const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
+  TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && p.kp <= INT32_MAX, "shape too large");
+  at::Tensor y = at::empty({x.size(0), m}, x.options());
+  run(p, gtile_offset, m, bias, y);
+  return y;
+}
+
+void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
+                   const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
+                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm_out (CUDA) got x on ", x.device());
+  const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
+                    "out must be a contiguous [", x.size(0), ", ", m, "] tensor, got ", out.sizes());
+  TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", out.scalar_type(), " but x is ",
+                   x.scalar_type());
+  TORCH_CHECK_VALUE(out.device() == x.device(), "out is on ", out.device(), " but x is on ", x.device());
+  run(p, gtile_offset, m, bias, out);
+}
+
+}  // namespace
+}  // namespace spinfer
+
+TORCH_LIBRARY_IMPL(spinfer, CUDA, m) {
+  m.impl("spmm", &spinfer::spmm_cuda);
+  m.impl("spmm_out", &spinfer::spmm_out_cuda);
+}

@@ -1,0 +1,96 @@
+// Planning and dispatch of the SMBD SpMM kernel: tile width by N, split-K by SM count.
+#include <cstdlib>
+#include <cstring>
+
+#include "spmm_smbd.cuh"
+
+namespace spinfer {
+namespace smbd {
+SPINFER_SMBD_FOR_TILES(SPINFER_SMBD_EXTERN_ONE, false)
+SPINFER_SMBD_FOR_TILES(SPINFER_SMBD_EXTERN_ONE, true)
+
+namespace {
+
+// Calls F<kBF16, BN, ROWS>::run(args...) for the runtime (bn, rows).
+template <template <bool, int, int> class F, bool kBF16, typename... A>
+auto by_tile(int bn, int rows, A... a) {
+  if (rows == 2) {
+    switch (bn) {
+      case 8: return F<kBF16, 8, 2>::run(a...);
+      case 16: return F<kBF16, 16, 2>::run(a...);
+      case 32: return F<kBF16, 32, 2>::run(a...);
+      default: return F<kBF16, 64, 2>::run(a...);
+    }
+  }
+  switch (bn) {
+    case 8: return F<kBF16, 8, 1>::run(a...);
+    case 16: return F<kBF16, 16, 1>::run(a...);
+    case 32: return F<kBF16, 32, 1>::run(a...);
+    default: return F<kBF16, 64, 1>::run(a...);
+  }
+}
+template <bool B, int BN, int R>
+struct SmemF {
+  static int run(int kps) { return smem_bytes<B, BN, R>(kps); }
+};
+template <bool B, int BN, int R>
+struct LaunchF {
+  static cudaError_t run(const SpmmArgs* a, const SpmmPlan* p, cudaStream_t s) { return launch<B, BN, R>(*a, *p, s); }
+};
+
+// Split-K factor. Measured on H100 (docs/kernels.md): what matters is enough blocks per SM for
+// the block scheduler to balance a latency-bound kernel, not whole waves. 28672x8192 at N<=16
+// ran 20-35% faster with 4 splits (~13 blocks per SM) than with 1 or 2 (3.4 or 6.8 per SM,
+// some SMs holding one block more than others). Target ~12 blocks per SM, keeping at least
+// kMinGtPerSplit GroupTiles per split so the pipeline prologue stays amortised.
+int choose_splits(int base_blocks, int sms, int grid_k) {
+  constexpr int kMinGtPerSplit = 8;
+  constexpr int kBlocksPerSm = 12;
+  const int max_splits = grid_k >= 2 * kMinGtPerSplit ? grid_k / kMinGtPerSplit : 1;
+  const int want = (kBlocksPerSm * sms + base_blocks - 1) / base_blocks;
+  return want < 1 ? 1 : want > max_splits ? max_splits : want;
+}
+
+}  // namespace
+}  // namespace smbd
+
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int device, bool bf16) {
+  using namespace smbd;
+  SpmmPlan p{};
+  p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
+  p.n_tiles = (n + p.bn - 1) / p.bn;
+  p.grid_m = (m + kGt - 1) / kGt;
+  p.grid_k = kp / kGt;
+  // One GroupTile row per block: two rows sharing each x slice measured slower at every N
+  // (fewer resident blocks); kept selectable for A/B runs.
+  p.rows = 1;
+  if (const char* env = std::getenv("SPINFER_ROWS")) p.rows = std::atoi(env) == 2 ? 2 : 1;
+  int sms = 1, major = 8;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const char* loader = std::getenv("SPINFER_LOADER");
+  p.bulk = major >= 9 && !(loader && std::strcmp(loader, "cp_async") == 0);
+  const int row_blocks = (p.grid_m + p.rows - 1) / p.rows;
+  int splits = choose_splits(row_blocks * p.n_tiles, sms, p.grid_k);
+  if (const char* env = std::getenv("SPINFER_SPLITS")) {
+    const int forced = std::atoi(env);
+    if (forced > 0) splits = forced < p.grid_k ? forced : p.grid_k;
+  }
+  p.k_per_split = (p.grid_k + splits - 1) / splits;
+  p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
+  p.smem_bytes = bf16 ? by_tile<SmemF, true>(p.bn, p.rows, p.k_per_split)
+                      : by_tile<SmemF, false>(p.bn, p.rows, p.k_per_split);
+  if (p.splits > 1) {
+    p.counters = p.n_tiles * row_blocks;
+    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt * p.rows;
+  }
+  return p;
+}
+
+cudaError_t spmm_smbd_run(const SpmmArgs& a, const SpmmPlan& p, cudaStream_t stream) {
+  using namespace smbd;
+  return a.bf16 ? by_tile<LaunchF, true>(p.bn, p.rows, &a, &p, stream)
+                : by_tile<LaunchF, false>(p.bn, p.rows, &a, &p, stream);
+}
+
+}  // namespace spinfer

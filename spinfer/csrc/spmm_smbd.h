@@ -1,0 +1,45 @@
+// Host interface of the SMBD SpMM kernel: y[N, M] = x[N, K] @ W[M, K]^T (+ bias), with W in
+// TCA-BME (GroupTile 64x64). Plain CUDA types only, so this compiles without torch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace spinfer {
+
+struct SpmmArgs {
+  const void* x;                // [n, kp] fp16/bf16 row-major, 16-byte aligned, zero past K
+  const int64_t* bitmap;        // [grid_m * grid_k * 64] BitmapTile words (uint64 patterns)
+  const void* values;           // [nvalues] GroupTile runs, 16-byte aligned
+  const int32_t* gtile_offset;  // [grid_m * grid_k + 1]
+  const void* bias;             // [m] or nullptr
+  void* y;                      // [n, m]
+  float* workspace;             // split-K partial tiles (plan.workspace_floats), or nullptr
+  int32_t* counters;            // split-K arrival counters (plan.counters), zero on entry
+  int m, n, kp;
+  int64_t nvalues;
+  bool bf16;
+};
+
+struct SpmmPlan {
+  int bn;           // tokens per block tile: 8, 16, 32 or 64
+  int n_tiles;      // ceil(n / bn)
+  int rows;         // GroupTile rows per block: 1 or 2 (sharing each x slice)
+  int grid_m;       // GroupTile rows: ceil(m / 64)
+  int grid_k;       // GroupTile columns: kp / 64
+  int splits;       // split-K factor (1: no reduction)
+  int k_per_split;  // GroupTiles per split
+  int64_t workspace_floats;
+  int counters;
+  int smem_bytes;
+  bool bulk;        // sm_90 bulk-copy loader; false: cp.async (sm_80, or SPINFER_LOADER=cp_async)
+};
+
+// Tile size, split-K, loader and workspace for a problem on `device`. For tuning and tests,
+// SPINFER_SPLITS overrides the split-K choice, SPINFER_ROWS (1 or 2) the GroupTile rows per
+// block and SPINFER_LOADER=cp_async the loader.
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int device, bool bf16);
+
+cudaError_t spmm_smbd_run(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
+
+}  // namespace spinfer

@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
+from .. import build
 from ..format.tca_bme import TCABME, Geometry, check_structure, decode, validate_arrays
-from . import library  # noqa: F401  (defines the schema)
+from . import library  # noqa: F401  (defines the schemas)
 
 
 def check_op_inputs(x, values, m: int, k: int, bias) -> None:
@@ -35,6 +36,8 @@ def check_op_inputs(x, values, m: int, k: int, bias) -> None:
 @torch.library.register_fake("spinfer::spmm")
 def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
     check_op_inputs(x, values, m, k, bias)
+    if x.device.type == "cuda":
+        build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
 
@@ -49,6 +52,18 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
+
+
+@torch.library.register_fake("spinfer::spmm_out")
+def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None, *, out):
+    check_op_inputs(x, values, m, k, bias)
+
+
+@torch.library.impl("spinfer::spmm_out", "CPU")
+def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None, *, out):
+    if out.shape != (x.shape[0], m) or out.dtype != x.dtype:
+        raise ValueError(f"out must be a [{x.shape[0]}, {m}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias))
 
 
 def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -69,11 +84,13 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -
     check_structure(weight.bitmap, weight.values, weight.gtile_offset, weight.geometry)
     if x2.shape[0] == 0:
         return x.new_empty((*lead, m))
-    if x2.is_cuda:
-        raise NotImplementedError(
-            "spinfer.spmm has no CUDA implementation in this build: the SMBD tensor-core "
-            "kernel is not compiled; move x and the weight to the CPU meanwhile"
+    if x2.is_cuda and weight.group_tile != (64, 64):
+        raise ValueError(
+            f"the CUDA kernel supports GroupTile (64, 64), this weight uses {weight.group_tile}; "
+            "re-encode it with TCABME.from_dense(w, group_tile=(64, 64))"
         )
+    if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
+        build.load_extension()  # JIT-compiles the SMBD kernel on first use, then cached
     gt_h, gt_w = weight.group_tile
     y = torch.ops.spinfer.spmm(
         x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, bias

@@ -1,0 +1,206 @@
+"""The SMBD CUDA kernel against a float64 reference: every output element written (poisoned
+first), fresh random data, the shapes and sparsities of issue 3, adversarial patterns, split-K
+on and off, CUDA graphs, torch.compile and bad input.  Skipped without a GPU."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import spinfer
+from spinfer.format import TCABME
+from tests.conftest import rel_err
+from tests.test_tca_bme import random_sparse
+
+pytestmark = pytest.mark.cuda
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def spmm_poisoned(x, enc, bias=None):
+    """Run the op into a NaN-filled buffer; every element must be overwritten."""
+    m, k = enc.shape
+    out = torch.full((x.shape[0], m), float("nan"), dtype=x.dtype, device=x.device)
+    torch.ops.spinfer.spmm_out(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, bias, out=out)
+    assert not bool(out.isnan().any()), "kernel left output elements unwritten"
+    return out
+
+
+def check(w, ns, dtype, with_bias=True):
+    enc = TCABME.from_dense(w)
+    for n in ns:
+        x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+        b = torch.randn(w.shape[0], device="cuda").to(dtype) if with_bias else None
+        y = spmm_poisoned(x, enc, b)
+        ref = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+        err = rel_err(y, ref)
+        assert err <= TOL[dtype], f"N={n}: rel err {err:.2e}"
+
+
+@pytest.fixture(autouse=True)
+def _ext():
+    spinfer.build.load_extension()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.5, 0.7, 0.9, 0.999])
+@pytest.mark.parametrize("k", [1000, 4096])
+@pytest.mark.parametrize("m", [64, 4097, 14336])
+def test_matches_float64(m, k, sparsity, dtype):
+    w = random_sparse((m, k), sparsity, dtype, device="cuda")
+    check(w, [1, 7, 8, 16, 33, 256], dtype, with_bias=(m % 2 == 1))
+
+
+@pytest.mark.parametrize("rows", ["1", "2"])
+@pytest.mark.parametrize("splits", ["1", "2", "3", "7"])
+@pytest.mark.parametrize("n", [1, 9, 40, 65])
+def test_split_k_and_rows_forced(monkeypatch, splits, rows, n):
+    """Every (split-K, GroupTile rows per block) combination, on a shape whose GroupTile rows
+    (5) do not divide by 2 and whose K (1500) is not a GroupTile multiple."""
+    monkeypatch.setenv("SPINFER_SPLITS", splits)
+    monkeypatch.setenv("SPINFER_ROWS", rows)
+    w = random_sparse((300, 1500), 0.5, torch.float16, device="cuda")
+    check(w, [n], torch.float16)
+    check(w, [n], torch.float16)  # counters are re-armed by the kernel: a second call is right too
+
+
+def adversarial(name, m=200, k=700):
+    w = torch.zeros(m, k, device="cuda")
+    if name == "one_dense_group_tile":
+        w[64:128, 128:192] = torch.randn(64, 64, device="cuda")
+    elif name == "empty_rows":
+        w = torch.randn(m, k, device="cuda")
+        w[::3] = 0
+        w[70:140] = 0
+    elif name == "dense_first_column":
+        w[:, 0] = torch.randn(m, device="cuda")
+        w[5, 300] = 1.0
+    elif name == "one_dense_row":
+        w[77] = torch.randn(k, device="cuda")
+    elif name == "checkerboard_group_tiles":
+        for r in range(0, m, 128):
+            for c in range(0, k, 128):
+                w[r:r + 64, c:c + 64] = torch.randn(min(64, m - r), min(64, k - c), device="cuda")
+    elif name == "last_row_and_column":
+        w[-1] = torch.randn(k, device="cuda")
+        w[:, -1] = torch.randn(m, device="cuda")
+    w[w == 0] = 0.0  # +0.0 everywhere it is empty
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["one_dense_group_tile", "empty_rows", "dense_first_column",
+                                  "one_dense_row", "checkerboard_group_tiles", "last_row_and_column"])
+def test_adversarial_patterns(name, dtype):
+    check(adversarial(name).to(dtype), [1, 8, 33], dtype)
+
+
+def test_all_zero_weight_gives_bias():
+    w = torch.zeros(130, 260, dtype=torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+    x = torch.randn(5, 260, device="cuda").half()
+    b = torch.randn(130, device="cuda").half()
+    assert torch.equal(spmm_poisoned(x, enc, b), b.expand(5, 130))
+
+
+def test_large_n_and_deterministic():
+    w = random_sparse((1000, 2048), 0.5, torch.float16, device="cuda")
+    check(w, [1000, 4096], torch.float16)
+    enc = TCABME.from_dense(w)
+    x = torch.randn(8, 2048, device="cuda").half()
+    assert torch.equal(spinfer.spmm(x, enc), spinfer.spmm(x, enc))
+
+
+def test_wrapper_batch_dims_noncontiguous_and_empty():
+    w = random_sparse((96, 200), 0.5, torch.bfloat16, device="cuda")
+    enc = TCABME.from_dense(w)
+    x = torch.randn(2, 3, 200, device="cuda").bfloat16()
+    assert spinfer.spmm(x, enc).shape == (2, 3, 96)
+    assert rel_err(spinfer.spmm(x, enc), x.double() @ w.double().t()) <= 1e-2
+    xt = torch.randn(200, 5, device="cuda").bfloat16().t()  # non-contiguous
+    assert rel_err(spinfer.spmm(xt, enc), xt.double() @ w.double().t()) <= 1e-2
+    xo = torch.randn(1, 201, device="cuda").bfloat16()[:, 1:]  # misaligned storage offset
+    assert rel_err(spinfer.spmm(xo, enc), xo.double() @ w.double().t()) <= 1e-2
+    assert spinfer.spmm(torch.randn(0, 200, device="cuda").bfloat16(), enc).shape == (0, 96)
+
+
+def test_cuda_graph_capture():
+    w = random_sparse((500, 1024), 0.7, torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+    b = torch.randn(500, device="cuda").half()
+    x = torch.randn(4, 1024, device="cuda").half()
+    spinfer.spmm(x, enc, b)  # warm up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = spinfer.spmm(x, enc, b)
+    for _ in range(2):
+        x.copy_(torch.randn(4, 1024, device="cuda").half())
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, x.double() @ w.double().t() + b.double()) <= 2e-3
+
+
+def test_torch_compile_fullgraph():
+    w = random_sparse((256, 512), 0.5, torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.relu(spinfer.spmm(x, enc)) + 1
+
+    x = torch.randn(3, 512, device="cuda").half()
+    assert rel_err(f(x), torch.relu(x.double() @ w.double().t()) + 1) <= 2e-3
+
+
+def test_bad_input_is_rejected_before_launch():
+    w = random_sparse((64, 128), 0.5, torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+    with pytest.raises(ValueError, match="128"):
+        spinfer.spmm(torch.randn(2, 127, device="cuda").half(), enc)
+    with pytest.raises(TypeError, match="bfloat16|float16"):
+        spinfer.spmm(torch.randn(2, 128, device="cuda").bfloat16(), enc)
+    with pytest.raises(ValueError, match="cpu|cuda"):
+        spinfer.spmm(torch.randn(2, 128).half(), enc)
+    enc16 = TCABME.from_dense(w, group_tile=(32, 32))
+    with pytest.raises(ValueError, match=r"GroupTile \(64, 64\)"):
+        spinfer.spmm(torch.randn(2, 128, device="cuda").half(), enc16)
+
+
+def test_direct_op_call_with_bad_arrays_raises():
+    """torch.ops.spinfer.spmm called directly reaches the C++ checks. Run in a subprocess: on a
+    toolchain whose C++ exceptions cannot cross torch.ops (seen on the lent H100 machines,
+    where even a toy extension crashes when it throws) the crash must not take the suite
+    down, and is reported as an expected failure rather than hidden."""
+    code = (
+        "import torch, spinfer\n"
+        "from spinfer.format import TCABME\n"
+        "enc = TCABME.from_dense(torch.randn(64, 128, device='cuda').half())\n"
+        "spinfer.build.load_extension()\n"
+        "try:\n"
+        "    torch.ops.spinfer.spmm(torch.randn(2, 128, device='cuda').half(), enc.bitmap[:-1],\n"
+        "                           enc.values, enc.gtile_offset, 64, 128, 64, 64)\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if r.returncode == -signal.SIGSEGV:
+        pytest.xfail("a C++ exception thrown through torch.ops crashed the process: this machine's "
+                     "compiler toolchain is known to do so for any extension (docs/kernels.md)")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ValueError" in r.stdout and "bitmap" in r.stdout
+
+
+def test_corrupt_offsets_stay_in_bounds():
+    """Arrays that skipped validation give garbage, never an out-of-bounds access (the
+    sanitizer run in scripts/device_check.sh checks the same under memcheck)."""
+    w = random_sparse((256, 512), 0.5, torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+    off = enc.gtile_offset.clone()
+    off[3] = 2**31 - 1
+    off[5] = -1000
+    bm = enc.bitmap.clone()
+    bm[7] = -1
+    x = torch.randn(4, 512, device="cuda").half()
+    torch.ops.spinfer.spmm(x, bm, enc.values, off, 256, 512, 64, 64)
+    torch.cuda.synchronize()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
+# benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
+#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full]
+#   (default: tests tests-cp-async sanitize bench; the build always runs)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/spinfer-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export SPINFER_CACHE="${SPINFER_CACHE:-/tmp/spinfer-cache}"
+steps="${*:-tests tests-cp-async sanitize bench}"
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
+
+if true; then  # every step needs the extension
+    python3 -m spinfer.build -v >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+    tail -1 "$OUT/build.log"
+fi
+if [[ " $steps " == *" tests "* ]]; then
+    python3 -m pytest -q -m cuda -p no:cacheprovider tests >"$OUT/tests.log" 2>&1 || status=1
+    tail -15 "$OUT/tests.log"
+fi
+if [[ " $steps " == *" tests-cp-async "* ]]; then
+    # the sm_80 loader, forced on this GPU so it is exercised too
+    SPINFER_LOADER=cp_async python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_spmm_cuda.py \
+        >"$OUT/tests-cp-async.log" 2>&1 || status=1
+    tail -3 "$OUT/tests-cp-async.log"
+fi
+if [[ " $steps " == *" sanitize "* ]]; then
+    for loader in bulk cp_async; do
+        for tool in memcheck racecheck synccheck; do
+            SPINFER_LOADER=$loader compute-sanitizer --tool "$tool" --error-exitcode 3 python3 scripts/sanitize_case.py \
+                >"$OUT/sanitize-$tool-$loader.log" 2>&1 && echo "compute-sanitizer $tool ($loader): clean" \
+                || { echo "compute-sanitizer $tool ($loader): FAILED"; tail -30 "$OUT/sanitize-$tool-$loader.log"; status=1; }
+        done
+    done
+fi
+if [[ " $steps " == *" bench-full "* ]]; then
+    python3 benchmarks/bench_spmm.py --csv "$OUT/spmm.csv" 2>&1 | tee "$OUT/bench.log"
+elif [[ " $steps " == *" bench "* ]]; then
+    python3 benchmarks/bench_spmm.py --quick --csv "$OUT/spmm.csv" 2>&1 | tee "$OUT/bench.log"
+fi
+exit $status

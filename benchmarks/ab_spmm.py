@@ -1,11 +1,13 @@
 """A/B of SpMM launch configurations in one process (interleaved, L2 flushed), for tuning the
-planner: GroupTile rows per block (SPINFER_ROWS) and split-K (SPINFER_SPLITS) against the
-planner's own choice, with cuBLAS timed alongside.
+planner. A configuration is a '+'-joined list of SPINFER_* environment overrides read by the
+planner at every launch (SPLITS, ROWS, LOADER, SYNC); 'auto' is the planner's own choice.
 
-    python benchmarks/ab_spmm.py [--shapes 28672x8192,4096x14336] [--ns 1,8,16,32] [--sparsity 0.5]
+    python benchmarks/ab_spmm.py --configs auto,SYNC=mbarrier,SPLITS=8 \\
+        [--shapes 28672x8192,4096x14336] [--ns 1,8,16,32] [--sparsity 0.5]
 """
 
 import argparse
+import math
 import os
 
 import torch
@@ -16,16 +18,27 @@ from spinfer.format import TCABME
 from spinfer.timing import median_time
 
 
+def apply(config):
+    for key in [k for k in os.environ if k.startswith("SPINFER_") and k != "SPINFER_CACHE"]:
+        del os.environ[key]
+    if config != "auto":
+        for item in config.split("+"):
+            key, value = item.split("=")
+            os.environ[f"SPINFER_{key}"] = value
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--configs", default="auto,ROWS=2,SPLITS=1,SPLITS=4,SPLITS=8")
     p.add_argument("--shapes", default="28672x8192,4096x14336")
     p.add_argument("--ns", default="1,8,16,32")
     p.add_argument("--sparsity", type=float, default=0.5)
-    p.add_argument("--splits", default="auto,1,2,4,8")
     a = p.parse_args()
+    configs = a.configs.split(",")
     spinfer.build.load_extension()
     dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name(dev)}: us per call (x cuBLAS), sparsity {a.sparsity}")
+    print(f"{torch.cuda.get_device_name(dev)}: x cuBLAS (us), sparsity {a.sparsity}; configs: {configs}")
+    logs = {c: [] for c in configs}
     for shape in a.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
         w = torch.randn(m, k, device=dev).half()
@@ -35,18 +48,14 @@ def main():
             x = torch.randn(n, k, device=dev).half()
             t_ref = median_time(lambda: F.linear(x, w), dev, reps=40)
             cells = []
-            for rows in ("1", "2"):
-                for sp in a.splits.split(","):
-                    os.environ["SPINFER_ROWS"] = rows
-                    if sp == "auto":
-                        os.environ.pop("SPINFER_SPLITS", None)
-                    else:
-                        os.environ["SPINFER_SPLITS"] = sp
-                    t = median_time(lambda: spinfer.spmm(x, enc), dev, reps=40)
-                    cells.append(f"r{rows}/s{sp}:{t * 1e6:6.1f}({t_ref / t:4.2f})")
-            os.environ.pop("SPINFER_ROWS", None)
-            os.environ.pop("SPINFER_SPLITS", None)
-            print(f"{m}x{k} N={n:<3} cuBLAS {t_ref * 1e6:6.1f} | " + " ".join(cells), flush=True)
+            for c in configs:
+                apply(c)
+                t = median_time(lambda: spinfer.spmm(x, enc), dev, reps=40)
+                logs[c].append(math.log(t_ref / t))
+                cells.append(f"{t_ref / t:4.2f} ({t * 1e6:6.1f})")
+            apply("auto")
+            print(f"{m:>5}x{k:<5} N={n:<3} cuBLAS {t_ref * 1e6:6.1f} | " + " | ".join(cells), flush=True)
+    print("geomean x cuBLAS: " + " | ".join(f"{c}: {math.exp(sum(v) / len(v)):.3f}" for c, v in logs.items()))
 
 
 if __name__ == "__main__":

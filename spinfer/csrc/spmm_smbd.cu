@@ -1,4 +1,5 @@
 // Planning and dispatch of the SMBD SpMM kernel: tile width by N, split-K by SM count.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -38,17 +39,18 @@ struct LaunchF {
   static cudaError_t run(const SpmmArgs* a, const SpmmPlan* p, cudaStream_t s) { return launch<B, BN, R>(*a, *p, s); }
 };
 
-// Split-K factor. Measured on H100 (docs/kernels.md): what matters is enough blocks per SM for
-// the block scheduler to balance a latency-bound kernel, not whole waves. 28672x8192 at N<=16
-// ran 20-35% faster with 4 splits (~13 blocks per SM) than with 1 or 2 (3.4 or 6.8 per SM,
-// some SMs holding one block more than others). Target ~12 blocks per SM, keeping at least
-// kMinGtPerSplit GroupTiles per split so the pipeline prologue stays amortised.
+// Split-K factor, fitted to H100 measurements (docs/kernels.md). Enough blocks per SM lets the
+// block scheduler balance a latency-bound kernel: 28672x8192 at N<=16 ran 20-35% faster with 4
+// splits (~13 blocks per SM) than with 1 or 2. But each split pays a pipeline prologue and a
+// partial-tile reduction: 4096x14336 ran 15-35% slower with 25 splits of 9 GroupTiles than
+// with 8 splits of 28. So: ~12 blocks per SM, and at least min(28, grid_k/8) GroupTiles per
+// split.
 int choose_splits(int base_blocks, int sms, int grid_k) {
-  constexpr int kMinGtPerSplit = 8;
   constexpr int kBlocksPerSm = 12;
-  const int max_splits = grid_k >= 2 * kMinGtPerSplit ? grid_k / kMinGtPerSplit : 1;
+  const int min_per_split = std::max(1, std::min(28, grid_k / 8));
+  const int max_splits = std::max(1, grid_k / min_per_split);
   const int want = (kBlocksPerSm * sms + base_blocks - 1) / base_blocks;
-  return want < 1 ? 1 : want > max_splits ? max_splits : want;
+  return std::max(1, std::min(want, max_splits));
 }
 
 }  // namespace

@@ -19,6 +19,7 @@ for m, k, n, splits in [(64, 64, 1, "1"), (4097, 1000, 7, "1"), (4097, 1000, 9, 
         y = spinfer.spmm(x, enc, torch.randn(m, device="cuda").to(dt))
         off = enc.gtile_offset.clone()
         off[1] = 2**31 - 1  # corrupt on purpose: must stay in bounds
-        torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, m, k, 64, 64)
+        torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, m, k, 64, 64, enc.max_run)
+        torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, 8)  # too small
 torch.cuda.synchronize()
 print("sanitize cases ran")

@@ -43,7 +43,7 @@ def test_opcheck_schema_and_fake():
     w = random_sparse((70, 90), 0.5, torch.float16)
     enc = TCABME.from_dense(w)
     x = torch.randn(5, 90).half()
-    args = (x, enc.bitmap, enc.values, enc.gtile_offset, 70, 90, 64, 64, None)
+    args = (x, enc.bitmap, enc.values, enc.gtile_offset, 70, 90, 64, 64, enc.max_run, None)
     torch.library.opcheck(torch.ops.spinfer.spmm.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -89,4 +89,18 @@ def test_op_called_directly_validates_arrays(enc):
     off[1] += 8
     x = torch.randn(2, 50).half()
     with pytest.raises(ValueError, match="gtile_offset|GroupTile"):
-        torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, 40, 50, 64, 64)
+        torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, 40, 50, 64, 64, 4096)
+
+
+def test_op_refuses_a_max_run_below_the_longest_run(enc):
+    x = torch.randn(2, 50).half()
+    with pytest.raises(ValueError, match="max_run"):
+        torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, 40, 50, 64, 64, enc.max_run - 8)
+
+
+def test_max_run_is_the_longest_group_tile_run():
+    w = torch.zeros(64, 192, dtype=torch.float16)
+    w[:, 64:128] = 1.0  # one dense GroupTile between two empty ones
+    enc = TCABME.from_dense(w)
+    assert enc.max_run == 4096
+    assert TCABME.from_state_dict(enc.state_dict()).max_run == 4096

@@ -22,7 +22,8 @@ def spmm_poisoned(x, enc, bias=None):
     """Run the op into a NaN-filled buffer; every element must be overwritten."""
     m, k = enc.shape
     out = torch.full((x.shape[0], m), float("nan"), dtype=x.dtype, device=x.device)
-    torch.ops.spinfer.spmm_out(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, bias, out=out)
+    torch.ops.spinfer.spmm_out(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, enc.max_run, bias,
+                               out=out)
     assert not bool(out.isnan().any()), "kernel left output elements unwritten"
     return out
 
@@ -179,7 +180,7 @@ def test_direct_op_call_with_bad_arrays_raises():
         "spinfer.build.load_extension()\n"
         "try:\n"
         "    torch.ops.spinfer.spmm(torch.randn(2, 128, device='cuda').half(), enc.bitmap[:-1],\n"
-        "                           enc.values, enc.gtile_offset, 64, 128, 64, 64)\n"
+        "                           enc.values, enc.gtile_offset, 64, 128, 64, 64, enc.max_run)\n"
         "except ValueError as e:\n"
         "    print('ValueError:', e)\n"
     )
@@ -202,5 +203,6 @@ def test_corrupt_offsets_stay_in_bounds():
     bm = enc.bitmap.clone()
     bm[7] = -1
     x = torch.randn(4, 512, device="cuda").half()
-    torch.ops.spinfer.spmm(x, bm, enc.values, off, 256, 512, 64, 64)
+    torch.ops.spinfer.spmm(x, bm, enc.values, off, 256, 512, 64, 64, enc.max_run)
+    torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, 256, 512, 64, 64, 8)  # too small a max_run
     torch.cuda.synchronize()

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "spmm_smbd.h"
@@ -69,13 +70,14 @@ Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const 
   return p;
 }
 
-void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, const std::optional<at::Tensor>& bias,
-         at::Tensor& y) {
+void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t max_run,
+         const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t n = p.x.size(0);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(p.x.device());
   const bool bf16 = p.x.scalar_type() == at::kBFloat16;
-  const SpmmPlan plan = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp),
+  const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
+  const SpmmPlan plan = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap,
                                        p.x.get_device(), bf16);
   at::Tensor workspace, counters;
   if (plan.splits > 1) {
@@ -96,6 +98,7 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, const std
   a.m = static_cast<int>(m);
   a.n = static_cast<int>(n);
   a.kp = static_cast<int>(p.kp);
+  a.value_cap = plan.value_cap;
   a.nvalues = p.values.numel();
   a.bf16 = bf16;
   C10_CUDA_CHECK(spmm_smbd_run(a, plan, at::cuda::getCurrentCUDAStream()));
@@ -103,18 +106,18 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, const std
 
 at::Tensor spmm_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                      const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
-                     const std::optional<at::Tensor>& bias) {
+                     int64_t max_run, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm (CUDA) got x on ", x.device());
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
   TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && p.kp <= INT32_MAX, "shape too large");
   at::Tensor y = at::empty({x.size(0), m}, x.options());
-  run(p, gtile_offset, m, bias, y);
+  run(p, gtile_offset, m, max_run, bias, y);
   return y;
 }
 
 void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                    const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
-                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
+                   int64_t max_run, const std::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm_out (CUDA) got x on ", x.device());
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
@@ -122,7 +125,7 @@ void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tens
   TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", out.scalar_type(), " but x is ",
                    x.scalar_type());
   TORCH_CHECK_VALUE(out.device() == x.device(), "out is on ", out.device(), " but x is on ", x.device());
-  run(p, gtile_offset, m, bias, out);
+  run(p, gtile_offset, m, max_run, bias, out);
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ auto by_tile(int bn, int rows, A... a) {
 }
 template <bool B, int BN, int R>
 struct SmemF {
-  static int run(int kps) { return smem_bytes<B, BN, R>(kps); }
+  static int run(int kps, int cap) { return smem_bytes<B, BN, R>(kps, cap); }
 };
 template <bool B, int BN, int R>
 struct LaunchF {
@@ -56,7 +56,7 @@ int choose_splits(int base_blocks, int sms, int grid_k) {
 }  // namespace
 }  // namespace smbd
 
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int device, bool bf16) {
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool bf16) {
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
@@ -80,8 +80,11 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int device, bool bf16) {
   }
   p.k_per_split = (p.grid_k + splits - 1) / splits;
   p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
-  p.smem_bytes = bf16 ? by_tile<SmemF, true>(p.bn, p.rows, p.k_per_split)
-                      : by_tile<SmemF, false>(p.bn, p.rows, p.k_per_split);
+  int cap = max_run;
+  if (const char* env = std::getenv("SPINFER_VALUE_CAP")) cap = std::atoi(env);
+  p.value_cap = std::max(8, std::min(kMaxValues, (cap + 7) / 8 * 8));
+  p.smem_bytes = bf16 ? by_tile<SmemF, true>(p.bn, p.rows, p.k_per_split, p.value_cap)
+                      : by_tile<SmemF, false>(p.bn, p.rows, p.k_per_split, p.value_cap);
   if (p.splits > 1) {
     p.counters = p.n_tiles * row_blocks;
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt * p.rows;

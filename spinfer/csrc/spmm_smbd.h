@@ -17,6 +17,7 @@ struct SpmmArgs {
   float* workspace;             // split-K partial tiles (plan.workspace_floats), or nullptr
   int32_t* counters;            // split-K arrival counters (plan.counters), zero on entry
   int m, n, kp;
+  int value_cap;                // value buffer per GroupTile (plan.value_cap)
   int64_t nvalues;
   bool bf16;
 };
@@ -31,6 +32,7 @@ struct SpmmPlan {
   int k_per_split;  // GroupTiles per split
   int64_t workspace_floats;
   int counters;
+  int value_cap;    // longest value run rounded up to 8, in [8, 4096]
   int smem_bytes;
   bool bulk;        // sm_90 bulk-copy loader; false: cp.async (sm_80, or SPINFER_LOADER=cp_async)
 };
@@ -38,7 +40,9 @@ struct SpmmPlan {
 // Tile size, split-K, loader and workspace for a problem on `device`. For tuning and tests,
 // SPINFER_SPLITS overrides the split-K choice, SPINFER_ROWS (1 or 2) the GroupTile rows per
 // block and SPINFER_LOADER=cp_async the loader.
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int device, bool bf16);
+// max_run is the weight's longest GroupTile run (TCABME.max_run); SPINFER_VALUE_CAP overrides
+// the value buffer size (for A/B runs; a value below max_run truncates runs).
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool bf16);
 
 cudaError_t spmm_smbd_run(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 

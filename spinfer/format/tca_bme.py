@@ -306,6 +306,9 @@ class TCABME:
             self.validate()
         else:
             check_structure(bitmap, values, gtile_offset, self.geometry)
+        # Read now, eagerly: under torch.compile a lazy read would be data-dependent.
+        off = gtile_offset.long()
+        self._max_run = int((off[1:] - off[:-1]).max()) if off.numel() > 1 else 0
 
     # construction -------------------------------------------------------------------
     @classmethod
@@ -344,6 +347,12 @@ class TCABME:
         if self._nnz is None:
             self._nnz = int(popcount64(self.bitmap).sum())
         return self._nnz
+
+    @property
+    def max_run(self) -> int:
+        """Longest GroupTile value run (elements, padding included). Kernels size their
+        shared-memory value buffers by it instead of by a dense GroupTile."""
+        return self._max_run
 
     @property
     def sparsity(self) -> float:

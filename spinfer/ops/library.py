@@ -11,8 +11,11 @@ LIB = torch.library.Library("spinfer", "DEF")
 
 _SPMM_ARGS = (
     "Tensor x, Tensor bitmap, Tensor values, Tensor gtile_offset, "
-    "int m, int k, int gt_h, int gt_w, Tensor? bias=None"
+    "int m, int k, int gt_h, int gt_w, int max_run, Tensor? bias=None"
 )
+# max_run: the longest GroupTile value run (TCABME.max_run); the CUDA kernel sizes its
+# shared-memory value buffers by it. A value below the true maximum is refused on the CPU and,
+# on CUDA, truncates runs (wrong results, never an out-of-bounds access).
 LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")
 # Writes into a caller-provided [N, M] buffer: static buffers for CUDA graphs, and tests that
 # poison the output before the launch.

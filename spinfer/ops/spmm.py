@@ -34,7 +34,7 @@ def check_op_inputs(x, values, m: int, k: int, bias) -> None:
 
 
 @torch.library.register_fake("spinfer::spmm")
-def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
+def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None):
     check_op_inputs(x, values, m, k, bias)
     if x.device.type == "cuda":
         build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
@@ -42,10 +42,14 @@ def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
 
 
 @torch.library.impl("spinfer::spmm", "CPU")
-def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
+def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None):
     geom = Geometry(m, k, gt_h, gt_w)
     # The arrays may come from anywhere when the op is called directly: check them fully.
     validate_arrays(bitmap, values, gtile_offset, geom)
+    off = gtile_offset.long()
+    longest = int((off[1:] - off[:-1]).max()) if off.numel() > 1 else 0
+    if max_run < longest:
+        raise ValueError(f"max_run={max_run} is below the longest GroupTile run ({longest})")
     check_op_inputs(x, values, m, k, bias)
     w = decode(bitmap, values, gtile_offset, (m, k), (gt_h, gt_w))
     y = x.float() @ w.float().t()
@@ -55,15 +59,15 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None):
 
 
 @torch.library.register_fake("spinfer::spmm_out")
-def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None, *, out):
+def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, *, out):
     check_op_inputs(x, values, m, k, bias)
 
 
 @torch.library.impl("spinfer::spmm_out", "CPU")
-def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias=None, *, out):
+def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, *, out):
     if out.shape != (x.shape[0], m) or out.dtype != x.dtype:
         raise ValueError(f"out must be a [{x.shape[0]}, {m}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias))
+    out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias))
 
 
 def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -93,6 +97,6 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -
         build.load_extension()  # JIT-compiles the SMBD kernel on first use, then cached
     gt_h, gt_w = weight.group_tile
     y = torch.ops.spinfer.spmm(
-        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, bias
+        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias
     )
     return y.reshape(*lead, m)

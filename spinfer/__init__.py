@@ -1,9 +1,10 @@
 """spinfer: pruned and low-bit LLM weights, faster than dense fp16 on NVIDIA GPUs."""
 
 from .format import TCABME
-from .ops import spmm
+from .ops import lowbit_mm, spmm
 from .prune import magnitude_prune
+from .quant import LowBitWeight
 
 __version__ = "0.1.0"
 
-__all__ = ["TCABME", "spmm", "magnitude_prune", "__version__"]
+__all__ = ["TCABME", "LowBitWeight", "lowbit_mm", "spmm", "magnitude_prune", "__version__"]

@@ -20,3 +20,9 @@ LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")
 # Writes into a caller-provided [N, M] buffer: static buffers for CUDA graphs, and tests that
 # poison the output before the launch.
 LIB.define(f"spmm_out({_SPMM_ARGS}, *, Tensor(a!) out) -> ()")
+
+# Weight-only low-bit matmul: y = x @ dequantize(W).T + bias (spinfer/quant/lowbit.py layout).
+LIB.define(
+    "lowbit_mm(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, int group_size, "
+    "int m, int k, Tensor? perm=None, Tensor? bias=None) -> Tensor"
+)

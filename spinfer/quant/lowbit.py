@@ -1,0 +1,319 @@
+"""Weight-only low-bit format: asymmetric group quantization ``W ~ (W_q - zero) * scale``.
+
+Layout (chosen for the kernels; docs/quant.md):
+
+* ``qweight``: int32 ``[M, Kp * bits / 32]``, row-major by output feature, so a GEMV lane
+  streams one row with coalesced 16-byte loads. ``Kp`` is K rounded up to a multiple of 128,
+  which makes every row a whole number of 16-byte chunks for every bit width; padding holds
+  ``q = 0`` and meets zero-padded activations. Inside a word, value ``j`` occupies bits
+  ``[bits*j, bits*(j+1))`` (little-endian: the first value in the lowest bits).
+* ``scales`` and ``zeros``: ``[M, K / group_size]`` in the weight dtype (fp16/bf16). Zeros are
+  floats so HQQ-style fractional zeros import exactly; the RTN quantizer stores integers.
+* ``perm`` (optional): int64 ``[K]``. GPTQ act-order checkpoints have groups scattered over K;
+  importing permutes K once so groups are contiguous, and the op gathers ``x[..., perm]``.
+
+Dequantization, the reference every kernel is held to: ``w = ((q - zero) * scale)`` computed in
+float32 and rounded once to the weight dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+K_ALIGN = 128  # K padding: a multiple of 128 values is a multiple of 16 bytes at every width
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LowBitStorage:
+    qweight: int
+    scales: int
+    zeros: int
+    perm: int
+
+    @property
+    def total(self) -> int:
+        return self.qweight + self.scales + self.zeros + self.perm
+
+
+def check_bits(bits) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return int(bits)
+
+
+def resolve_group_size(group_size, k: int) -> int:
+    """``None``, -1 or K itself means per-channel: one group spanning all of K."""
+    if group_size is None or group_size == -1 or group_size == k:
+        return k
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(
+            f"group_size must be one of {SUPPORTED_GROUP_SIZES} or None (per-channel), got {group_size!r}"
+        )
+    if k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K={k}; use a divisor of K or None (per-channel)")
+    return int(group_size)
+
+
+def padded_k(k: int) -> int:
+    return -(-k // K_ALIGN) * K_ALIGN
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` integer ``[M, Kp]`` with values in ``[0, 2**bits)`` -> int32 ``[M, Kp*bits/32]``."""
+    m, kp = q.shape
+    per_byte = 8 // bits
+    qb = q.to(torch.uint8).reshape(m, kp // per_byte, per_byte)
+    byte = qb[..., 0].clone()
+    for j in range(1, per_byte):
+        byte |= qb[..., j] << (bits * j)
+    return byte.contiguous().view(torch.int32)
+
+
+def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: int32 ``[M, W]`` -> uint8 ``[M, W*32/bits]``."""
+    byte = qweight.contiguous().view(torch.uint8)
+    per_byte = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=qweight.device)
+    vals = (byte[..., None] >> shifts) & ((1 << bits) - 1)
+    return vals.reshape(qweight.shape[0], -1)
+
+
+def dequantize(qweight, scales, zeros, bits: int, group_size: int, shape, perm=None) -> torch.Tensor:
+    """The reference dequantization: ``(q - zero) * scale`` in float32, rounded once to the
+    scales' dtype; columns returned to the original K order when ``perm`` is given."""
+    m, k = shape
+    q = unpack(qweight, bits)[:, :k].float().reshape(m, k // group_size, group_size)
+    w = ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(m, k).to(scales.dtype)
+    if perm is not None:
+        out = torch.empty_like(w)
+        out[:, perm] = w
+        w = out
+    return w
+
+
+class LowBitWeight:
+    """A ``[M, K]`` weight quantized to 1, 2, 4 or 8 bits with group-wise scale and zero."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bits: int,
+        group_size: Optional[int],
+        shape: Tuple[int, int],
+        perm: Optional[torch.Tensor] = None,
+    ):
+        try:
+            m, k = (int(v) for v in shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"shape must be a pair of ints, got {shape!r}") from None
+        if m < 1 or k < 1:
+            raise ValueError(f"shape must be at least 1x1, got {(m, k)}")
+        self.bits = check_bits(bits)
+        self.group_size = resolve_group_size(group_size, k)
+        self.shape = (m, k)
+        self.qweight, self.scales, self.zeros, self.perm = qweight, scales, zeros, perm
+        self.validate()
+
+    # construction -------------------------------------------------------------------
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bits: int, group_size: Optional[int] = 128) -> "LowBitWeight":
+        """Round-to-nearest asymmetric min/max quantization of a fp16/bf16 ``[M, K]`` weight."""
+        _check_weight(weight)
+        bits = check_bits(bits)
+        m, k = weight.shape
+        g = resolve_group_size(group_size, k)
+        levels = (1 << bits) - 1
+        w = weight.float().reshape(m, k // g, g)
+        wmin, wmax = w.amin(-1), w.amax(-1)
+        scale = (wmax - wmin) / levels
+        # A constant group: scale |c| and zero 0 (c > 0: q = 1) or 1 (c < 0: q = 0) give c exactly.
+        const = scale == 0
+        scale = torch.where(const, torch.where(wmax != 0, wmax.abs(), torch.ones_like(wmax)), scale)
+        zero = torch.where(const, (wmax < 0).float(), torch.round(-wmin / scale).clamp(0, levels))
+        # Quantize against the stored (rounded) scale and zero so dequantization is consistent.
+        scale_s, zero_s = scale.to(weight.dtype), zero.to(weight.dtype)
+        q = torch.round(w / scale_s.float()[..., None] + zero_s.float()[..., None]).clamp(0, levels)
+        q = torch.where(const[..., None], (wmax > 0)[..., None].float().expand_as(q), q)
+        q = torch.nn.functional.pad(q.reshape(m, k), (0, padded_k(k) - k))
+        return cls(pack(q.to(torch.uint8), bits), scale_s.contiguous(), zero_s.contiguous(), bits, g, (m, k))
+
+    @classmethod
+    def from_hqq(cls, W_q, scale, zero, bits: int, group_size: Optional[int], shape) -> "LowBitWeight":
+        """Import HQQ/GemLite-style tensors with HQQ's axis=1 grouping: ``W_q`` unpacked integer
+        values as ``[M, K]`` or ``[M*K/g, g]``, ``scale``/``zero`` as ``[M, K/g]`` or
+        ``[M*K/g, 1]``; HQQ's own formula is ``((W_q - zero) * scale).reshape(shape)``."""
+        bits = check_bits(bits)
+        m, k = (int(v) for v in shape)
+        g = resolve_group_size(group_size, k)
+        for name, t in (("W_q", W_q), ("scale", scale), ("zero", zero)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if W_q.numel() != m * k:
+            raise ValueError(f"W_q has {W_q.numel()} values, shape {shape} needs {m * k}")
+        if W_q.dtype.is_floating_point or W_q.dtype == torch.bool:
+            raise TypeError(f"W_q must hold integers, got {W_q.dtype}")
+        q = W_q.reshape(m, k).to(torch.int32)
+        if bool(((q < 0) | (q > (1 << bits) - 1)).any()):
+            raise ValueError(f"W_q has values outside [0, {(1 << bits) - 1}] for {bits} bits")
+        groups = m * (k // g)
+        for name, t in (("scale", scale), ("zero", zero)):
+            if t.numel() != groups:
+                raise ValueError(f"{name} has {t.numel()} entries, {groups} groups of {g} need {groups}")
+            if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float32:
+                raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+        dtype = scale.dtype if scale.dtype in SUPPORTED_DTYPES else torch.float16
+        q = torch.nn.functional.pad(q, (0, padded_k(k) - k))
+        return cls(pack(q.to(torch.uint8), bits), scale.reshape(m, k // g).to(dtype).contiguous(),
+                   zero.reshape(m, k // g).to(dtype).contiguous(), bits, g, (m, k))
+
+    @classmethod
+    def from_gptq(cls, qweight, scales, qzeros, bits: int = 4, group_size: Optional[int] = 128,
+                  g_idx: Optional[torch.Tensor] = None) -> "LowBitWeight":
+        """Import a GPTQ layer: ``qweight`` int32 ``[K*bits/32, M]`` (packed along K), ``scales``
+        ``[K/g, M]``, ``qzeros`` int32 ``[K/g, M*bits/32]`` holding ``zero - 1``, optional act-order
+        ``g_idx`` ``[K]``. GPTQ's formula: ``W[k, m] = scales[g_idx[k], m] * (q[k, m] - (qzeros[g_idx[k], m] + 1))``."""
+        bits = check_bits(bits)
+        if bits == 1:
+            raise ValueError("GPTQ checkpoints use 2, 4 or 8 bits here, got 1")
+        for name, t in (("qweight", qweight), ("scales", scales), ("qzeros", qzeros)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 2:
+                raise ValueError(f"GPTQ {name} must be 2-D, got shape {tuple(t.shape)}")
+        if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+            raise TypeError(f"GPTQ qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
+        if scales.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"GPTQ scales must be float16 or bfloat16, got {scales.dtype}")
+        per_word = 32 // bits
+        k, m = qweight.shape[0] * per_word, qweight.shape[1]
+        g = resolve_group_size(group_size, k)
+        if scales.shape != (k // g, m):
+            raise ValueError(f"GPTQ scales must be [K/g, M] = [{k // g}, {m}], got {tuple(scales.shape)}")
+        if qzeros.shape != (k // g, -(-m // per_word)):
+            raise ValueError(
+                f"GPTQ qzeros must be [K/g, ceil(M*bits/32)] = [{k // g}, {-(-m // per_word)}], got {tuple(qzeros.shape)}"
+            )
+        q = unpack(qweight.t().contiguous(), bits)  # [M, K]: word w of column m holds k = w*per_word + j
+        z = unpack(qzeros, bits)[:, :m].t().float() + 1.0  # [M, K/g], the stored zero - 1 convention
+        perm = None
+        if g_idx is not None:
+            if not isinstance(g_idx, torch.Tensor) or g_idx.shape != (k,):
+                raise ValueError(f"g_idx must be a [{k}] tensor")
+            g_idx = g_idx.long()
+            if bool(((g_idx < 0) | (g_idx >= k // g)).any()):
+                raise ValueError(f"g_idx has group indices outside [0, {k // g})")
+            trivial = torch.arange(k, device=g_idx.device) // g
+            if not torch.equal(g_idx, trivial):
+                # Act-order: permute K once so each group is contiguous; x is gathered by perm.
+                perm = torch.argsort(g_idx, stable=True)
+                if bool((torch.bincount(g_idx, minlength=k // g) != g).any()):
+                    raise ValueError("g_idx does not assign exactly group_size input channels to every group")
+                q = q[:, perm]
+        q = torch.nn.functional.pad(q, (0, padded_k(k) - k))
+        return cls(pack(q, bits), scales.t().contiguous(), z.to(scales.dtype).contiguous(), bits, g, (m, k),
+                   perm=perm)
+
+    # reference ----------------------------------------------------------------------
+    def dequantize(self) -> torch.Tensor:
+        """Dense ``[M, K]`` in the weight dtype, in the original K order (perm undone)."""
+        return dequantize(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.shape, self.perm)
+
+    def validate(self) -> None:
+        m, k = self.shape
+        words = padded_k(k) * self.bits // 32
+        if not isinstance(self.qweight, torch.Tensor) or self.qweight.dtype != torch.int32:
+            raise TypeError("qweight must be an int32 tensor")
+        if self.qweight.shape != (m, words):
+            raise ValueError(f"qweight must be [{m}, {words}] for {m}x{k} at {self.bits} bits, got {tuple(self.qweight.shape)}")
+        groups = k // self.group_size
+        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{name} must be a float16 or bfloat16 tensor")
+            if t.shape != (m, groups):
+                raise ValueError(f"{name} must be [{m}, {groups}], got {tuple(t.shape)}")
+        if self.scales.dtype != self.zeros.dtype:
+            raise TypeError(f"scales are {self.scales.dtype} but zeros are {self.zeros.dtype}")
+        if self.perm is not None:
+            if self.perm.shape != (k,) or self.perm.dtype != torch.int64:
+                raise ValueError(f"perm must be an int64 [{k}] tensor")
+            if not torch.equal(torch.sort(self.perm).values, torch.arange(k, device=self.perm.device)):
+                raise ValueError("perm is not a permutation of range(K)")
+        devices = {t.device for t in (self.qweight, self.scales, self.zeros) if t is not None}
+        if self.perm is not None:
+            devices.add(self.perm.device)
+        if len(devices) != 1:
+            raise ValueError(f"LowBitWeight arrays are on different devices: {sorted(map(str, devices))}")
+
+    # properties and movement -------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def storage_bytes(self) -> LowBitStorage:
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return LowBitStorage(size(self.qweight), size(self.scales), size(self.zeros), size(self.perm))
+
+    @property
+    def compression_ratio(self) -> float:
+        m, k = self.shape
+        return 2 * m * k / self.storage_bytes().total
+
+    def to(self, device: Union[str, torch.device]) -> "LowBitWeight":
+        perm = None if self.perm is None else self.perm.to(device)
+        return LowBitWeight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.bits,
+                            self.group_size, self.shape, perm)
+
+    def state_dict(self) -> dict:
+        m, k = self.shape
+        sd = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros,
+              "meta": torch.tensor([FORMAT_VERSION, m, k, self.bits, self.group_size], dtype=torch.int64)}
+        if self.perm is not None:
+            sd["perm"] = self.perm
+        return sd
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "LowBitWeight":
+        missing = {"qweight", "scales", "zeros", "meta"} - set(state)
+        if missing:
+            raise ValueError(f"LowBitWeight state_dict is missing {sorted(missing)}")
+        meta = state["meta"]
+        if not isinstance(meta, torch.Tensor) or meta.dtype != torch.int64 or meta.shape != (5,):
+            raise ValueError("LowBitWeight state_dict 'meta' must be an int64 tensor of 5 entries")
+        version, m, k, bits, g = (int(v) for v in meta.tolist())
+        if version != FORMAT_VERSION:
+            raise ValueError(f"LowBitWeight format version {version} is not supported")
+        return cls(state["qweight"], state["scales"], state["zeros"], bits, None if g == k else g, (m, k),
+                   state.get("perm"))
+
+    def __repr__(self) -> str:
+        m, k = self.shape
+        g = "per-channel" if self.group_size == k else f"g{self.group_size}"
+        return (f"LowBitWeight(shape=({m}, {k}), bits={self.bits}, {g}, dtype={self.dtype}, "
+                f"device={self.device}, compression_ratio={self.compression_ratio:.2f}x"
+                f"{', act-order' if self.perm is not None else ''})")
+
+
+def _check_weight(weight) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"low-bit quantization takes float16 or bfloat16 weights, got {weight.dtype}")
+    if weight.shape[0] == 0 or weight.shape[1] == 0:
+        raise ValueError(f"weight has an empty dimension: shape {tuple(weight.shape)}")

@@ -1,0 +1,187 @@
+"""Weight-only low-bit format and spinfer::lowbit_mm: packing, quantizer, exact-dequantization
+reference, GPTQ and HQQ importers against their own formulas, bad input, persistence, op
+registration. The CUDA path runs where a GPU is present."""
+
+import pytest
+import torch
+
+import spinfer
+from spinfer.quant import LowBitWeight, pack, unpack
+from tests.conftest import rel_err
+
+BITS = [1, 2, 4, 8]
+GROUPS = [32, 64, 128, 256, None]
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_pack_unpack_round_trip_and_bit_order(bits):
+    q = torch.randint(0, 1 << bits, (5, 256), dtype=torch.uint8)
+    packed = pack(q, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 256 * bits // 32)
+    assert torch.equal(unpack(packed, bits), q)
+    one = torch.zeros(1, 128, dtype=torch.uint8)
+    one[0, 1] = 1  # value 1 of word 0 sits at bit `bits`
+    assert int(pack(one, bits)[0, 0]) == 1 << bits
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_quantizer_error_is_within_half_a_step(bits, group):
+    w = torch.randn(33, 512).half()
+    q = LowBitWeight.quantize(w, bits, group)
+    g = q.group_size
+    step = q.scales.float().repeat_interleave(g, dim=1)
+    err = (q.dequantize().float() - w.float()).abs()
+    # half a quantization step, plus fp16 rounding of scale/zero/result
+    assert bool((err <= 0.5 * step * 1.01 + 2e-3 * w.float().abs() + 1e-4).all())
+
+
+def test_constant_groups_are_exact_and_odd_shapes_work():
+    w = torch.full((3, 64), 0.25).half()
+    w[1], w[2] = -0.3, 0.0
+    assert torch.equal(LowBitWeight.quantize(w, 2, 32).dequantize(), w)
+    w = torch.randn(77, 1000).half()  # odd M, K not a multiple of 128: per-channel
+    q = LowBitWeight.quantize(w, 4, None)
+    assert q.group_size == 1000 and q.qweight.shape == (77, 1024 * 4 // 32)
+    assert rel_err(q.dequantize(), w) < 0.15
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_lowbit_mm_matches_the_dequantized_reference(bits, group, dtype):
+    m, k = 67, 768
+    w = torch.randn(m, k).to(dtype)
+    q = LowBitWeight.quantize(w, bits, group)
+    ref_w = q.dequantize().double()
+    b = torch.randn(m).to(dtype)
+    for n in (1, 3, 8, 16, 64, 300):
+        x = torch.randn(n, k).to(dtype)
+        y = spinfer.lowbit_mm(x, q, b)
+        ref = x.double() @ ref_w.t() + b.double()
+        assert y.shape == (n, m) and y.dtype == dtype
+        assert rel_err(y, ref) <= (2e-3 if dtype == torch.float16 else 1e-2), (n, bits, group)
+
+
+def random_gptq(k, m, bits, g, act_order):
+    pw = 32 // bits
+    q = torch.randint(0, 1 << bits, (k, m), dtype=torch.int64)
+    qweight = torch.zeros(k // pw, m, dtype=torch.int64)
+    for j in range(pw):
+        qweight |= q[j::pw] << (bits * j)
+    zeros_minus_1 = torch.randint(0, (1 << bits) - 1, (k // g, m), dtype=torch.int64)
+    mz = -(-m // pw) * pw
+    zpad = torch.nn.functional.pad(zeros_minus_1, (0, mz - m))
+    qzeros = torch.zeros(k // g, mz // pw, dtype=torch.int64)
+    for j in range(pw):
+        qzeros |= zpad[:, j::pw] << (bits * j)
+    to32 = lambda t: ((t + 2**31) % 2**32 - 2**31).to(torch.int32)  # uint32 bits as int32
+    scales = (torch.rand(k // g, m) * 0.01 + 0.001).half()
+    g_idx = torch.arange(k) // g
+    if act_order:
+        g_idx = g_idx[torch.randperm(k)]
+    # GPTQ's own formula
+    w = scales.float()[g_idx] * (q.float() - (zeros_minus_1.float()[g_idx] + 1))
+    return to32(qweight), scales, to32(qzeros), g_idx, w.t()  # reference W [M, K]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_import_matches_gptq_formula(bits, act_order):
+    k, m, g = 512, 72, 128
+    qweight, scales, qzeros, g_idx, w_ref = random_gptq(k, m, bits, g, act_order)
+    q = LowBitWeight.from_gptq(qweight, scales, qzeros, bits=bits, group_size=g, g_idx=g_idx)
+    assert (q.perm is not None) == act_order
+    assert rel_err(q.dequantize(), w_ref) < 1e-3
+    x = torch.randn(9, k).half()
+    assert rel_err(spinfer.lowbit_mm(x, q), x.double() @ w_ref.double().t()) <= 2e-3
+
+
+@pytest.mark.parametrize("layout", ["flat", "matrix"])
+def test_hqq_import_matches_hqq_formula(layout):
+    m, k, g, bits = 40, 256, 64, 4
+    W_q = torch.randint(0, 16, (m * k // g, g), dtype=torch.uint8)
+    scale = (torch.rand(m * k // g, 1) * 0.02).half()
+    zero = (torch.rand(m * k // g, 1) * 15).half()  # fractional zeros, as HQQ optimises them
+    w_ref = ((W_q.float() - zero.float()) * scale.float()).reshape(m, k)  # HQQ's formula
+    if layout == "matrix":
+        W_q, scale, zero = W_q.reshape(m, k), scale.reshape(m, k // g), zero.reshape(m, k // g)
+    q = LowBitWeight.from_hqq(W_q, scale, zero, bits, g, (m, k))
+    assert rel_err(q.dequantize(), w_ref) < 1e-3
+    x = torch.randn(6, k).half()
+    assert rel_err(spinfer.lowbit_mm(x, q), x.double() @ w_ref.double().t()) <= 2e-3
+
+
+def test_bad_input():
+    w = torch.randn(8, 256).half()
+    with pytest.raises(ValueError, match="bits"):
+        LowBitWeight.quantize(w, 3, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        LowBitWeight.quantize(w, 4, 48)
+    with pytest.raises(ValueError, match="does not divide"):
+        LowBitWeight.quantize(torch.randn(8, 96).half(), 4, 64)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        LowBitWeight.quantize(w.float(), 4, 32)
+    with pytest.raises(ValueError, match="2-D"):
+        LowBitWeight.quantize(w[0], 4, 32)
+    q = LowBitWeight.quantize(w, 4, 32)
+    with pytest.raises(ValueError, match="scales"):
+        LowBitWeight(q.qweight, q.scales[:, :-1], q.zeros, 4, 32, (8, 256))
+    with pytest.raises(ValueError, match="qweight"):
+        LowBitWeight(q.qweight[:-1], q.scales, q.zeros, 4, 32, (8, 256))
+    with pytest.raises(TypeError, match="zeros"):
+        LowBitWeight(q.qweight, q.scales, q.zeros.float(), 4, 32, (8, 256))
+    qweight, scales, qzeros, g_idx, _ = random_gptq(256, 16, 4, 128, False)
+    with pytest.raises(TypeError, match="int32"):
+        LowBitWeight.from_gptq(qweight.long(), scales, qzeros)
+    with pytest.raises(ValueError, match="scales"):
+        LowBitWeight.from_gptq(qweight, scales[:, :-1], qzeros)
+    with pytest.raises(ValueError, match="qzeros"):
+        LowBitWeight.from_gptq(qweight, scales, qzeros[:1])
+    with pytest.raises(ValueError, match="g_idx"):
+        LowBitWeight.from_gptq(qweight, scales, qzeros, g_idx=torch.full((256,), 5))
+    with pytest.raises(ValueError, match="outside"):
+        LowBitWeight.from_hqq(torch.full((8, 256), 16, dtype=torch.uint8), q.scales, q.zeros, 4, 32, (8, 256))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 256\]"):
+        spinfer.lowbit_mm(torch.randn(2, 255).half(), q)
+    with pytest.raises(TypeError, match="float32"):
+        spinfer.lowbit_mm(torch.randn(2, 256), q)
+
+
+def test_state_dict_repr_storage_and_empty_batch():
+    w = torch.randn(24, 512).bfloat16()
+    qweight, scales, qzeros, g_idx, _ = random_gptq(512, 24, 4, 128, True)
+    for q in (LowBitWeight.quantize(w, 2, 64), LowBitWeight.from_gptq(qweight, scales, qzeros, g_idx=g_idx)):
+        back = LowBitWeight.from_state_dict(q.state_dict())
+        assert torch.equal(back.dequantize(), q.dequantize())
+        st = q.storage_bytes()
+        arrays = [q.qweight, q.scales, q.zeros] + ([q.perm] if q.perm is not None else [])
+        assert st.total == sum(t.numel() * t.element_size() for t in arrays)
+        assert st.qweight == 24 * 512 * q.bits // 8  # K=512 needs no padding
+        assert q.compression_ratio == pytest.approx(2 * 24 * 512 / st.total)
+        assert "LowBitWeight(shape=(24, 512)" in repr(q)
+        assert spinfer.lowbit_mm(torch.randn(0, 512).to(q.dtype), q).shape == (0, 24)
+        assert spinfer.lowbit_mm(torch.randn(2, 3, 512).to(q.dtype), q).shape == (2, 3, 24)
+
+
+def test_op_registration_and_compile():
+    q = LowBitWeight.quantize(torch.randn(40, 256).half(), 4, 64)
+    x = torch.randn(3, 256).half()
+    args = (x, q.qweight, q.scales, q.zeros, 4, 64, 40, 256, None, None)
+    torch.library.opcheck(torch.ops.spinfer.lowbit_mm.default, args, test_utils=("test_schema", "test_faketensor"))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x):
+        return spinfer.lowbit_mm(x, q) + 1
+
+    assert rel_err(f(x), x.double() @ q.dequantize().double().t() + 1) <= 2e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_matches_reference(bits):
+    q = LowBitWeight.quantize(torch.randn(300, 1024).half(), bits, 128).to("cuda")
+    for n in (1, 16, 300):
+        x = torch.randn(n, 1024, device="cuda").half()
+        ref = x.double() @ q.dequantize().double().t()
+        assert rel_err(spinfer.lowbit_mm(x, q), ref) <= 2e-3

@@ -32,6 +32,13 @@ __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// 2-byte shared-memory load from a 32-bit shared address (zero-extended).
+__device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr));
+  return v;
+}
+
 // ---- sm_90: bulk async copies completing on an mbarrier (the copy engine moves a whole
 // contiguous run, so one thread issues what 128 threads of cp.async would) ----------------
 

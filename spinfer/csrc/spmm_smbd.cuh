@@ -37,9 +37,10 @@ constexpr int kXStride = kGt + 8;       // halves per x row in smem: +16 B makes
 constexpr unsigned kFull = 0xffffffffu;
 
 // A decoding lane reads values[off] and values[off + 1] unconditionally, off < run for valid
-// data. Arrays that bypassed validation can push off past the run; the offset is clamped so
-// those reads stay inside this slack.
-constexpr int kValueSlack = 8;
+// data. Arrays that bypassed validation can push off past the run: each half-word's prefix is
+// clamped to the run once per GroupTile, after which a lane adds at most 31 (its masked
+// PopCount) plus 1, so those reads stay inside this slack.
+constexpr int kValueSlack = 40;
 
 // Shared memory of one block: kStages stages, each holding for every one of the block's ROWS
 // GroupTile rows a bitmap (512 B) and a value-run buffer, plus one x slice [BN][kXStride] that
@@ -131,7 +132,7 @@ __device__ __forceinline__ int run_length(const int* s_off_row, int i, int value
 // Decodes this warp's TCTile row of one GroupTile and multiplies it into acc.
 //   bm32: the GroupTile's bitmap as 128 half-words; vals: its value run (with kValueSlack
 //   readable elements past `run`); xs: the x slice [BN][kXStride]; pack: 32 uint2 of scratch.
-template <bool kBF16, int BN>
+template <bool kBF16, int BN, bool kLean>
 __device__ __forceinline__ void decode_and_multiply(const uint32_t* bm32, const uint16_t* vals, int run,
                                                     const uint16_t* xs, uint2* pack, int warp, int lane,
                                                     float (&acc)[BN / 8][4]) {
@@ -162,9 +163,12 @@ __device__ __forceinline__ void decode_and_multiply(const uint32_t* bm32, const 
   // Publish {bits, prefix} side by side: the decode fetches both with one 8-byte broadcast
   // load per word instead of two shuffles.
   __syncwarp();  // every lane is done reading the previous GroupTile's pairs
-  pack[lane] = make_uint2(my_half, static_cast<uint32_t>(before + incl - cnt));
-  __syncwarp();
   const int last = max(run - 1, 0);  // clamp target for offsets of corrupt arrays
+  if constexpr (kLean)  // the prefix as the shared address of its first value, clamped once
+    pack[lane] = make_uint2(my_half, ptx::smem_addr(vals) + 2u * static_cast<uint32_t>(min(before + incl - cnt, last)));
+  else
+    pack[lane] = make_uint2(my_half, static_cast<uint32_t>(before + incl - cnt));
+  __syncwarp();
 
 #pragma unroll
   for (int t = 0; t < 4; ++t) {  // TCTile (warp, t): k columns 16t .. 16t+15
@@ -172,10 +176,18 @@ __device__ __forceinline__ void decode_and_multiply(const uint32_t* bm32, const 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // BitmapTile j = register Ra_j (TL, BL, TR, BR)
       const uint2 he = pack[2 * (4 * t + j) + hi];  // this lane's half of word 4t+j
-      const int off = min(static_cast<int>(he.y) + __popc(he.x & below), last);
       // Both candidates are loaded unconditionally and selected: cheaper than two predicated
       // loads plus two zeroings.
-      const uint32_t v0 = vals[off], v1 = vals[off + 1];
+      uint32_t v0, v1;
+      if constexpr (kLean) {
+        const uint32_t addr = he.y + 2u * __popc(he.x & below);
+        v0 = ptx::lds_u16(addr);
+        v1 = ptx::lds_u16(addr + 2);
+      } else {
+        const int off = min(static_cast<int>(he.y) + __popc(he.x & below), last);
+        v0 = vals[off];
+        v1 = vals[off + 1];
+      }
       const bool b0 = he.x & bit_lo, b1 = he.x & bit_hi;
       const uint32_t lo = b0 ? v0 : 0u;
       const uint32_t up = b1 ? (b0 ? v1 : v0) : 0u;  // the pair's second value follows the first
@@ -249,7 +261,7 @@ __device__ __forceinline__ void epilogue(const SpmmArgs& args, const BlockWork& 
 // The kernel. kBulk (sm_90): lane 0 of warp 0 posts the stage's byte count on its mbarrier and
 // issues cp.async.bulk copies of each row's bitmap and value run; warp 0's lanes copy the x
 // rows. Otherwise (sm_80): every thread issues 16-byte cp.async and groups are counted.
-template <bool kBF16, int BN, int ROWS, bool kBulk>
+template <bool kBF16, int BN, int ROWS, bool kBulk, bool kLean>
 __global__ void __launch_bounds__(Layout<BN, ROWS>::kThreads)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_m, const int grid_k, const int k_per_split,
                      const int splits) {
@@ -343,7 +355,7 @@ __global__ void __launch_bounds__(Layout<BN, ROWS>::kThreads)
     auto compute = [&](int stage, int i) {
       if (rw >= b.rows) return;  // this warp's GroupTile row is past the bottom edge
       const unsigned char* st = smem + stage * lay.stage_bytes;
-      decode_and_multiply<kBF16, BN>(reinterpret_cast<const uint32_t*>(st + rw * kBitmapBytes),
+      decode_and_multiply<kBF16, BN, kLean>(reinterpret_cast<const uint32_t*>(st + rw * kBitmapBytes),
                                      reinterpret_cast<const uint16_t*>(st + L::kValueOffset + rw * lay.value_bytes),
                                      run_length(s_off + rw * per_row, i, args.value_cap),
                                      reinterpret_cast<const uint16_t*>(st + lay.x_offset), s_pack[warp], w, lane,
@@ -395,7 +407,10 @@ int smem_bytes(int k_per_split, int value_cap) {
 
 template <bool kBF16, int BN, int ROWS>
 cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream) {
-  auto kernel = plan.bulk ? spmm_smbd_kernel<kBF16, BN, ROWS, true> : spmm_smbd_kernel<kBF16, BN, ROWS, false>;
+  auto kernel = plan.bulk ? (plan.lean ? spmm_smbd_kernel<kBF16, BN, ROWS, true, true>
+                                       : spmm_smbd_kernel<kBF16, BN, ROWS, true, false>)
+                          : (plan.lean ? spmm_smbd_kernel<kBF16, BN, ROWS, false, true>
+                                       : spmm_smbd_kernel<kBF16, BN, ROWS, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(plan.n_tiles, (plan.grid_m + ROWS - 1) / ROWS, plan.splits);

@@ -31,6 +31,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .bits import pack_bitmaps, popcount64, unpack_bitmaps
+from .state import read_meta
 
 VALUE_ALIGN = 8  # elements per GroupTile run alignment: 16 bytes of 16-bit values
 FORMAT_NAME = "tca-bme"
@@ -402,15 +403,7 @@ class TCABME:
     @classmethod
     def from_state_dict(cls, state: dict) -> "TCABME":
         """Rebuild from :meth:`state_dict`; the arrays are untrusted, so this validates."""
-        missing = {"bitmap", "values", "gtile_offset", "meta"} - set(state)
-        if missing:
-            raise ValueError(f"TCA-BME state_dict is missing {sorted(missing)}")
-        meta = state["meta"]
-        if not isinstance(meta, torch.Tensor) or meta.dtype != torch.int64 or meta.shape != (5,):
-            raise ValueError("TCA-BME state_dict 'meta' must be an int64 tensor of 5 entries")
-        version, m, k, gt_h, gt_w = (int(v) for v in meta.tolist())
-        if version != FORMAT_VERSION:
-            raise ValueError(f"TCA-BME format version {version} is not supported (expected {FORMAT_VERSION})")
+        m, k, gt_h, gt_w = read_meta(state, ("bitmap", "values", "gtile_offset"), "TCA-BME", FORMAT_VERSION, 5)
         return cls(state["bitmap"], state["values"], state["gtile_offset"], (m, k), (gt_h, gt_w))
 
     def save(self, path: Union[str, Path]) -> None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..quant.lowbit import LowBitWeight, dequantize
 from . import library  # noqa: F401  (defines the schemas)
-from .spmm import check_op_inputs
+from .linear_input import check_op_inputs, flatten_input
 
 
 def _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, accumulate=torch.float32):
@@ -49,18 +49,8 @@ def _lowbit_mm_cuda(x, qweight, scales, zeros, bits, group_size, m, k, perm=None
 def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
     ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation)."""
-    if not isinstance(weight, LowBitWeight):
-        raise TypeError(f"weight must be a spinfer.quant.LowBitWeight, got {type(weight).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    x2, lead = flatten_input(x, weight, LowBitWeight, weight.scales, bias)
     m, k = weight.shape
-    if x.dim() == 0 or x.shape[-1] != k:
-        raise ValueError(f"x must have shape [..., {k}] to match the weight {m}x{k}, got {tuple(x.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
-    check_op_inputs(x2, weight.scales, m, k, bias)
     if x2.shape[0] == 0:
         return x.new_empty((*lead, m))
     y = torch.ops.spinfer.lowbit_mm(x2, weight.qweight, weight.scales, weight.zeros, weight.bits,

@@ -14,23 +14,7 @@ import torch
 from .. import build
 from ..format.tca_bme import TCABME, Geometry, check_structure, decode, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
-
-
-def check_op_inputs(x, values, m: int, k: int, bias) -> None:
-    """Checks shared by every implementation of the op (x is already 2-D)."""
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"spinfer::spmm expects x of shape [N, {k}], got {tuple(x.shape)}")
-    if x.dtype != values.dtype:
-        raise TypeError(f"x is {x.dtype} but the weight is {values.dtype}; cast x to {values.dtype}")
-    if x.device != values.device:
-        raise ValueError(f"x is on {x.device} but the weight is on {values.device}")
-    if bias is not None:
-        if bias.shape != (m,):
-            raise ValueError(f"bias must have shape ({m},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise TypeError(f"bias is {bias.dtype} but x is {x.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+from .linear_input import check_op_inputs, flatten_input
 
 
 @torch.library.register_fake("spinfer::spmm")
@@ -73,18 +57,8 @@ def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bi
 def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a TCA-BME weight ``W [M, K]``; like
     ``torch.nn.functional.linear``.  Output dtype is ``x.dtype`` (fp32 accumulation)."""
-    if not isinstance(weight, TCABME):
-        raise TypeError(f"weight must be a spinfer.TCABME, got {type(weight).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    x2, lead = flatten_input(x, weight, TCABME, weight.values, bias)
     m, k = weight.shape
-    if x.dim() == 0 or x.shape[-1] != k:
-        raise ValueError(f"x must have shape [..., {k}] to match the weight {m}x{k}, got {tuple(x.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
-    check_op_inputs(x2, weight.values, m, k, bias)
     check_structure(weight.bitmap, weight.values, weight.gtile_offset, weight.geometry)
     if x2.shape[0] == 0:
         return x.new_empty((*lead, m))

@@ -23,6 +23,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..format.state import read_meta
+
 SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -288,15 +290,7 @@ class LowBitWeight:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "LowBitWeight":
-        missing = {"qweight", "scales", "zeros", "meta"} - set(state)
-        if missing:
-            raise ValueError(f"LowBitWeight state_dict is missing {sorted(missing)}")
-        meta = state["meta"]
-        if not isinstance(meta, torch.Tensor) or meta.dtype != torch.int64 or meta.shape != (5,):
-            raise ValueError("LowBitWeight state_dict 'meta' must be an int64 tensor of 5 entries")
-        version, m, k, bits, g = (int(v) for v in meta.tolist())
-        if version != FORMAT_VERSION:
-            raise ValueError(f"LowBitWeight format version {version} is not supported")
+        m, k, bits, g = read_meta(state, ("qweight", "scales", "zeros"), "LowBitWeight", FORMAT_VERSION, 5)
         return cls(state["qweight"], state["scales"], state["zeros"], bits, None if g == k else g, (m, k),
                    state.get("perm"))
 

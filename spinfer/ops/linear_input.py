@@ -1,0 +1,40 @@
+"""Input handling shared by every linear-layer op (spmm, lowbit_mm): checks that name the
+problem, and flattening of leading batch dimensions like ``torch.nn.functional.linear``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_op_inputs(x, weight_like: torch.Tensor, m: int, k: int, bias) -> None:
+    """Checks shared by every implementation of an op; ``x`` is already ``[N, K]`` and
+    ``weight_like`` is any weight array carrying the weight's dtype and device."""
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"expected x of shape [N, {k}], got {tuple(x.shape)}")
+    if x.dtype != weight_like.dtype:
+        raise TypeError(f"x is {x.dtype} but the weight is {weight_like.dtype}; cast x to {weight_like.dtype}")
+    if x.device != weight_like.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {weight_like.device}")
+    if bias is not None:
+        if bias.shape != (m,):
+            raise ValueError(f"bias must have shape ({m},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"bias is {bias.dtype} but x is {x.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+
+
+def flatten_input(x, weight, weight_type: type, weight_like: torch.Tensor, bias):
+    """Validate a public wrapper's arguments; returns ``(x2 [N, K] contiguous, lead shape)``."""
+    if not isinstance(weight, weight_type):
+        raise TypeError(f"weight must be a spinfer.{weight_type.__name__}, got {type(weight).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    m, k = weight.shape
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"x must have shape [..., {k}] to match the weight {m}x{k}, got {tuple(x.shape)}")
+    x2 = x.reshape(-1, k).contiguous()
+    check_op_inputs(x2, weight_like, m, k, bias)
+    return x2, x.shape[:-1]

@@ -2,9 +2,13 @@
 
 from .format import TCABME
 from .ops import lowbit_mm, spmm
-from .prune import magnitude_prune
+from .nn import SparseLinear, calibrate
+from .prune import magnitude_prune, sparsify
 from .quant import LowBitWeight
 
 __version__ = "0.1.0"
 
-__all__ = ["TCABME", "LowBitWeight", "lowbit_mm", "spmm", "magnitude_prune", "__version__"]
+__all__ = [
+    "TCABME", "LowBitWeight", "SparseLinear", "calibrate", "lowbit_mm", "spmm", "magnitude_prune", "sparsify",
+    "__version__",
+]

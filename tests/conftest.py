@@ -12,5 +12,5 @@ def pytest_collection_modifyitems(config, items):
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300))

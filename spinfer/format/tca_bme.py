@@ -293,6 +293,7 @@ class TCABME:
         group_tile: Tuple[int, int] = DEFAULT_GROUP_TILE,
         *,
         validate: bool = True,
+        max_run: Optional[int] = None,
     ):
         try:
             m, k = (int(v) for v in shape)
@@ -307,9 +308,15 @@ class TCABME:
             self.validate()
         else:
             check_structure(bitmap, values, gtile_offset, self.geometry)
-        # Read now, eagerly: under torch.compile a lazy read would be data-dependent.
-        off = gtile_offset.long()
-        self._max_run = int((off[1:] - off[:-1]).max()) if off.numel() > 1 else 0
+        # Read now, eagerly: under torch.compile a lazy read would be data-dependent. Callers
+        # that already know it (a module rebuilding its weight) pass it and skip the sync.
+        if max_run is None or validate:
+            off = gtile_offset.long()
+            actual = int((off[1:] - off[:-1]).max()) if off.numel() > 1 else 0
+            if max_run is not None and int(max_run) != actual:
+                raise ValueError(f"max_run={max_run} does not match the longest GroupTile run ({actual})")
+            max_run = actual
+        self._max_run = int(max_run)
 
     # construction -------------------------------------------------------------------
     @classmethod

@@ -1,0 +1,156 @@
+"""The dispatch policy: which kernel runs a layer for a given number of tokens N.
+
+A cost model predicts each candidate's time from the layer's real bytes and a few device
+constants. The SMBD kernel is not bandwidth-bound (docs/kernels.md): its time is the larger of
+the bytes over the copy bandwidth and a per-GroupTile decode cost that grows with the token tile,
+and both terms are in the model. The default constants are the H100 80GB HBM3 figures measured
+on 2026-11-22; :func:`calibrate` re-measures them on the current GPU and caches them per device
+under the user's cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+# Kernel names a layer can dispatch to.
+DENSE = "dense"  # F.linear on a dense weight (cuBLAS on CUDA)
+SPMM = "spmm"  # SMBD kernel on TCA-BME
+DECODE_DENSE = "decode+dense"  # TCA-BME decoded to dense per call, then F.linear (large N)
+LOWBIT = "lowbit"  # spinfer.lowbit_mm
+
+N_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 1024)
+
+
+def n_bucket(n: int) -> int:
+    """Smallest bucket >= n (the last bucket takes everything above)."""
+    for b in N_BUCKETS:
+        if n <= b:
+            return b
+    return N_BUCKETS[-1]
+
+
+@dataclass
+class DeviceProfile:
+    """Device constants of the cost model (seconds, bytes/s, FLOP/s)."""
+
+    name: str = "NVIDIA H100 80GB HBM3 (defaults measured 2026-11-22)"
+    dense_bandwidth: float = 2.7e12  # bytes/s cuBLAS streams a dense fp16 weight at
+    sparse_bandwidth: float = 1.85e12  # bytes/s the SMBD kernel reaches when bytes dominate
+    tensor_flops: float = 6.0e14  # dense fp16 FLOP/s at large N
+    launch: float = 6e-6  # fixed cost per kernel call
+    # SMBD decode cost per GroupTile (64x64) on the whole GPU, by token tile BN; N > 64 pays
+    # the BN=64 cost once per 64 tokens.
+    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 2.45e-9, 16: 3.15e-9, 32: 4.6e-9, 64: 10.5e-9})
+    # bytes/s of TCA-BME -> dense (or low-bit -> dense) with torch ops: an estimate, not a
+    # measurement; calibrate() measures it
+    decode_bandwidth: float = 4.0e11
+    measured: bool = False
+
+    def gt_time(self, n: int) -> float:
+        if n <= 64:
+            bn = 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64
+            return self.gt_cost[bn]
+        return self.gt_cost[64] * math.ceil(n / 64)
+
+
+def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: DeviceProfile,
+            num_group_tiles: int = 0) -> float:
+    """Predicted seconds of one call of ``kernel`` on an ``[m, k]`` layer with ``n`` tokens."""
+    io = 2 * n * (m + k)  # fp16 activations in and out
+    dense_compute = 2.0 * m * k * n / profile.tensor_flops
+    dense = max((2 * m * k + io) / profile.dense_bandwidth, dense_compute) + profile.launch
+    if kernel == DENSE:
+        return dense
+    if kernel == SPMM:
+        return max((weight_bytes + io) / profile.sparse_bandwidth, num_group_tiles * profile.gt_time(n)) + profile.launch
+    if kernel == DECODE_DENSE:
+        return (weight_bytes + 2 * m * k) / profile.decode_bandwidth + dense
+    if kernel == LOWBIT:
+        # CUDA path today: dequantize with torch ops, then cuBLAS (docs/quant.md).
+        return (weight_bytes + 2 * m * k) / profile.decode_bandwidth + dense
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get("SPINFER_CACHE", Path.home() / ".cache" / "spinfer"))
+    return root / "device_profiles.json"
+
+
+def _device_key(device: torch.device) -> str:
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name}|sm{props.major}{props.minor}|{props.multi_processor_count}"
+
+
+_PROFILES: Dict[str, DeviceProfile] = {}
+
+
+def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
+    """The cached measured profile of a CUDA device, else the defaults (no GPU: the defaults
+    describe the H100 the kernels are tuned for)."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return DeviceProfile()
+    key = _device_key(torch.device(device))
+    if key in _PROFILES:
+        return _PROFILES[key]
+    try:
+        stored = json.loads(_cache_file().read_text()).get(key)
+    except (OSError, ValueError):
+        stored = None
+    if stored:
+        stored["gt_cost"] = {int(b): v for b, v in stored["gt_cost"].items()}
+        _PROFILES[key] = DeviceProfile(**stored)
+    else:
+        _PROFILES[key] = DeviceProfile()
+    return _PROFILES[key]
+
+
+def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
+    """Measure the cost model's constants on a CUDA device (a few seconds) and cache them."""
+    from ..format import TCABME
+    from ..ops import spmm
+    from ..timing import median_time
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("spinfer.calibrate() needs a CUDA GPU; without one the H100 defaults are used")
+    dev = torch.device(device or "cuda")
+    m, k = 16384, 8192
+    w = torch.randn(m, k, device=dev).half()
+    x1 = torch.randn(1, k, device=dev).half()
+    t = median_time(lambda: torch.nn.functional.linear(x1, w), dev, reps=30)
+    dense_bw = 2 * m * k / t
+    xl = torch.randn(4096, k, device=dev).half()
+    tl = median_time(lambda: torch.nn.functional.linear(xl, w), dev, reps=10)
+    flops = 2.0 * m * k * 4096 / tl
+    tiny = torch.randn(64, 64, device=dev).half()
+    launch = median_time(lambda: torch.nn.functional.linear(tiny[:1], tiny), dev, reps=50, flush_l2=False)
+    w[torch.rand(m, k, device=dev) < 0.5] = 0
+    enc = TCABME.from_dense(w)
+    ngt = enc.geometry.num_group_tiles
+    gt_cost = {}
+    for bn in (8, 16, 32, 64):
+        xb = torch.randn(bn, k, device=dev).half()
+        gt_cost[bn] = max(median_time(lambda: spmm(xb, enc), dev, reps=20) - launch, 0.0) / ngt
+    td = median_time(enc.to_dense, dev, reps=5)
+    prof = DeviceProfile(name=torch.cuda.get_device_name(dev), dense_bandwidth=dense_bw,
+                         sparse_bandwidth=enc.storage_bytes().total / (gt_cost[8] * ngt), tensor_flops=flops,
+                         launch=launch, gt_cost=gt_cost,
+                         decode_bandwidth=(enc.storage_bytes().total + 2 * m * k) / td, measured=True)
+    key = _device_key(dev)
+    _PROFILES[key] = prof
+    if save:
+        path = _cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = asdict(prof)
+        path.write_text(json.dumps(data, indent=1))
+    return prof

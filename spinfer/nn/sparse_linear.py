@@ -1,0 +1,268 @@
+"""``SparseLinear``: one linear layer whose weight is stored once, in the format the policy picked
+(dense, TCA-BME or weight-only low-bit), dispatching every call by the number of tokens N to the
+kernel predicted (or measured, with ``policy="autotune"``) to be fastest for that format."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..format import TCABME
+from ..ops import lowbit_mm, spmm
+from ..quant import LowBitWeight
+from ..timing import median_time
+from . import policy as P
+
+FORMATS = ("dense", "tca-bme", "lowbit")
+POLICIES = ("auto", "autotune", "dense", "sparse", "lowbit")
+_FORMAT_CODE = {"dense": 0, "tca-bme": 1, "lowbit": 2}
+_QUANT_BITS = {"w8": 8, "w4": 4, "w2": 2}
+_KERNELS = {"dense": (P.DENSE,), "tca-bme": (P.SPMM, P.DECODE_DENSE), "lowbit": (P.LOWBIT,)}
+
+
+def _check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return policy
+
+
+class SparseLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` held as dense, TCA-BME or low-bit. Build it with
+    :meth:`from_linear` or :meth:`from_weight`."""
+
+    def __init__(self, weight: Union[torch.Tensor, TCABME, LowBitWeight], bias: Optional[torch.Tensor] = None,
+                 *, policy: str = "auto"):
+        super().__init__()
+        self.policy = _check_policy(policy)
+        if isinstance(weight, TCABME):
+            self.format = "tca-bme"
+            self.out_features, self.in_features = weight.shape
+            self.register_buffer("bitmap", weight.bitmap)
+            self.register_buffer("values", weight.values)
+            self.register_buffer("gtile_offset", weight.gtile_offset)
+            self._aux = (*weight.group_tile, weight.max_run, weight.nnz)
+        elif isinstance(weight, LowBitWeight):
+            self.format = "lowbit"
+            self.out_features, self.in_features = weight.shape
+            self.register_buffer("qweight", weight.qweight)
+            self.register_buffer("scales", weight.scales)
+            self.register_buffer("zeros", weight.zeros)
+            self.register_buffer("perm", weight.perm)
+            self._aux = (weight.bits, weight.group_size, 0, 0)
+        elif isinstance(weight, torch.Tensor):
+            if weight.dim() != 2:
+                raise ValueError(f"weight must be 2-D [out_features, in_features], got {tuple(weight.shape)}")
+            self.format = "dense"
+            self.out_features, self.in_features = weight.shape
+            self.register_buffer("weight", weight.detach())
+            self._aux = (0, 0, 0, 0)
+        else:
+            raise TypeError(f"weight must be a Tensor, TCABME or LowBitWeight, got {type(weight).__name__}")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or bias.shape != (self.out_features,):
+                raise ValueError(f"bias must be a tensor of shape ({self.out_features},)")
+            bias = bias.detach()
+        self.register_buffer("bias", bias)
+        self._weight_obj = None  # format object rebuilt from the buffers, dropped by _apply
+        self._measured: Dict[tuple, Dict[str, float]] = {}  # autotune: (device, bucket) -> times
+
+    # construction -------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, quant: Optional[str] = None, group_size: Optional[int] = 128,
+                    policy: str = "auto") -> "SparseLinear":
+        """Wrap an (already pruned) ``nn.Linear``; zeros in its weight become sparsity."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
+        return cls.from_weight(linear.weight.detach(), linear.bias, quant=quant, group_size=group_size,
+                               policy=policy)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, quant: Optional[str] = None,
+                    group_size: Optional[int] = 128, policy: str = "auto") -> "SparseLinear":
+        """Store ``weight`` once in the format the policy picks: ``"dense"``/``"sparse"``/
+        ``"lowbit"`` force one; ``"auto"``/``"autotune"`` pick by predicted decode-time (N=1)
+        cost among the lossless formats, and the low-bit one when ``quant`` is given."""
+        _check_policy(policy)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError("weight must be a 2-D tensor [out_features, in_features]")
+        if weight.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"weight must be float16 or bfloat16, got {weight.dtype}; call .half() or .bfloat16()")
+        if quant is not None and quant not in _QUANT_BITS:
+            raise ValueError(f"quant must be one of {sorted(_QUANT_BITS)} or None, got {quant!r}")
+        if policy == "lowbit" and quant is None:
+            raise ValueError("policy='lowbit' needs quant='w8', 'w4' or 'w2'")
+        m, k = weight.shape
+        if policy == "dense":
+            return cls(weight, bias, policy=policy)
+        if policy == "lowbit":
+            return cls(LowBitWeight.quantize(weight, _QUANT_BITS[quant], group_size), bias, policy=policy)
+        enc = TCABME.from_dense(weight)
+        if policy == "sparse":
+            return cls(enc, bias, policy=policy)
+        prof = P.profile_for(weight.device)
+        options = {
+            "dense": P.predict(P.DENSE, m, k, 1, 2 * m * k, prof),
+            "tca-bme": P.predict(P.SPMM, m, k, 1, enc.storage_bytes().total, prof, enc.geometry.num_group_tiles),
+        }
+        low = None
+        if quant is not None:
+            low = LowBitWeight.quantize(weight, _QUANT_BITS[quant], group_size)
+            options["lowbit"] = P.predict(P.LOWBIT, m, k, 1, low.storage_bytes().total, prof)
+        best = min(options, key=options.get)
+        stored = {"dense": weight, "tca-bme": enc, "lowbit": low}[best]
+        return cls(stored, bias, policy=policy)
+
+    # the stored weight ----------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        self._weight_obj = None  # device or dtype changes: rebuild the format object lazily
+        return super()._apply(fn, recurse)
+
+    def weight_object(self):
+        """The stored weight as a TCABME / LowBitWeight / dense tensor (on the module's device)."""
+        if self._weight_obj is None:
+            if self.format == "tca-bme":
+                gt_h, gt_w, max_run, nnz = self._aux
+                obj = TCABME(self.bitmap, self.values, self.gtile_offset, (self.out_features, self.in_features),
+                             (gt_h, gt_w), validate=False, max_run=max_run)
+                obj._nnz = nnz
+            elif self.format == "lowbit":
+                bits, g = self._aux[:2]
+                obj = LowBitWeight(self.qweight, self.scales, self.zeros, bits, g,
+                                   (self.out_features, self.in_features), self.perm)
+            else:
+                obj = self.weight
+            self._weight_obj = obj
+        return self._weight_obj
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return {"dense": lambda: self.weight.dtype, "tca-bme": lambda: self.values.dtype,
+                "lowbit": lambda: self.scales.dtype}[self.format]()
+
+    def memory_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
+
+    @property
+    def sparsity(self) -> float:
+        if self.format == "tca-bme":
+            return 1.0 - self._aux[3] / (self.out_features * self.in_features)
+        if self.format == "dense":
+            return float((self.weight == 0).float().mean())
+        return 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        return 2 * self.out_features * self.in_features / self.memory_bytes()
+
+    # dispatch -------------------------------------------------------------------------
+    def candidates(self):
+        return _KERNELS[self.format]
+
+    def predicted(self, n: int, device=None) -> Dict[str, float]:
+        """Predicted seconds of each candidate kernel for ``n`` tokens."""
+        prof = P.profile_for(device if device is not None else self._device())
+        m, k = self.out_features, self.in_features
+        ngt = self.weight_object().geometry.num_group_tiles if self.format == "tca-bme" else 0
+        return {kern: P.predict(kern, m, k, n, self.memory_bytes(), prof, ngt) for kern in self.candidates()}
+
+    def _device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    def choose(self, n: int) -> str:
+        """The kernel for a call with ``n`` tokens."""
+        kernels = self.candidates()
+        if len(kernels) == 1:
+            return kernels[0]
+        if self.policy == "sparse":
+            return P.SPMM
+        device = self._device()
+        if device.type != "cuda":
+            return P.DECODE_DENSE  # on the CPU the reference decodes anyway; skip its validation
+        bucket = P.n_bucket(n)
+        key = (str(device), bucket)
+        if self.policy == "autotune" and key not in self._measured and not torch.compiler.is_compiling():
+            self._measured[key] = self._time_candidates(bucket)
+        times = self._measured.get(key) or self.predicted(bucket, device)
+        return min(times, key=times.get)
+
+    def _time_candidates(self, n: int) -> Dict[str, float]:
+        x = torch.randn(n, self.in_features, device=self._device(), dtype=self.weight_dtype)
+        return {kern: median_time(lambda: self._run(kern, x), x.device, reps=10, max_seconds=2)
+                for kern in self.candidates()}
+
+    def _run(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
+        w = self.weight_object()
+        if kernel == P.DENSE:
+            return F.linear(x2, w, self.bias)
+        if kernel == P.SPMM:
+            return spmm(x2, w, self.bias)
+        if kernel == P.DECODE_DENSE:
+            return F.linear(x2, w.to_dense(), self.bias)
+        return lowbit_mm(x2, w, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
+        if x.dtype != self.weight_dtype:
+            raise TypeError(f"x is {x.dtype} but the layer is {self.weight_dtype}; cast the input or the layer")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        y = self._run(self.choose(x2.shape[0]), x2)
+        return y.reshape(*lead, self.out_features)
+
+    def policy_report(self, print_it: bool = True) -> str:
+        """Per N bucket: the chosen kernel, each candidate's predicted time and, if measured
+        (autotune), its measured time."""
+        device = self._device()
+        lines = [f"{self!r}", f"{'N':>5}  {'choice':<13} " + "  ".join(f"{k + ' (pred/meas us)':>28}" for k in self.candidates())]
+        for b in P.N_BUCKETS:
+            pred = self.predicted(b, device)
+            meas = self._measured.get((str(device), b), {})
+            cells = "  ".join(f"{pred[k] * 1e6:>12.1f} / " + (f"{meas[k] * 1e6:>9.1f}" if k in meas else f"{'-':>9}")
+                              + " " * 4 for k in self.candidates())
+            lines.append(f"{b:>5}  {self.choose(b):<13} {cells}")
+        text = "\n".join(lines)
+        if print_it:
+            print(text)
+        return text
+
+    # persistence ----------------------------------------------------------------------
+    def _meta(self) -> torch.Tensor:
+        return torch.tensor([1, _FORMAT_CODE[self.format], self.out_features, self.in_features, *self._aux],
+                            dtype=torch.int64)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "spinfer_meta"] = self._meta()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "spinfer_meta"
+        meta = state_dict.get(key)
+        if meta is None:
+            raise ValueError(f"{prefix or 'SparseLinear'}: state_dict has no spinfer_meta; it was not saved by a SparseLinear")
+        theirs, ours = meta.tolist(), self._meta().tolist()
+        if theirs[:4] != ours[:4] or (self.format != "tca-bme" and theirs[4:6] != ours[4:6]):
+            fmt = {v: k for k, v in _FORMAT_CODE.items()}
+            raise ValueError(
+                f"{prefix or 'SparseLinear'}: state_dict holds a {fmt.get(theirs[1], '?')} {theirs[2]}x{theirs[3]} weight "
+                f"{tuple(theirs[4:6])}, this layer is {self.format} {ours[2]}x{ours[3]} {tuple(ours[4:6])}")
+        # TCA-BME arrays change length with the nonzeros: take the incoming sizes.
+        for name, buf in list(self._buffers.items()):
+            incoming = state_dict.get(prefix + name)
+            if buf is not None and incoming is not None and incoming.shape != buf.shape and self.format == "tca-bme":
+                self._buffers[name] = torch.empty_like(incoming, device=buf.device)
+        state = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._aux = tuple(int(v) for v in theirs[4:8])
+        self._weight_obj = None
+        if self.format == "tca-bme" and not error_msgs:
+            self.weight_object().validate()  # untrusted arrays
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "
+                f"sparsity={self.sparsity:.3f}, compression_ratio={self.compression_ratio:.2f}x, "
+                f"memory={self.memory_bytes() / 2**20:.2f} MiB, policy={self.policy}")

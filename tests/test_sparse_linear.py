@@ -1,0 +1,197 @@
+"""SparseLinear (storage, dispatch, persistence, module behaviour) and whole-model sparsify."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spinfer
+from spinfer.nn import SparseLinear
+from spinfer.prune import nm_mask, wanda_scores
+from tests.conftest import rel_err
+
+
+def pruned_linear(m, k, sparsity, dtype=torch.float16, bias=True):
+    lin = nn.Linear(k, m, bias=bias).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(spinfer.magnitude_prune(torch.randn(m, k).to(dtype), sparsity))
+        if bias:
+            lin.bias.copy_(torch.randn(m).to(dtype))
+    return lin
+
+
+@pytest.mark.parametrize("policy", ["auto", "dense", "sparse"])
+def test_output_equals_the_pruned_dense_layer(policy):
+    lin = pruned_linear(1024, 768, 0.5)
+    layer = SparseLinear.from_linear(lin, policy=policy)
+    for n in (1, 5, 16, 128, 1000):
+        x = torch.randn(n, 768).half()
+        ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+        assert rel_err(layer(x), ref) <= 2e-3, (policy, n)
+
+
+def test_lowbit_policy_equals_its_dequantized_weight():
+    lin = pruned_linear(256, 512, 0.0)
+    layer = SparseLinear.from_linear(lin, quant="w4", group_size=64, policy="lowbit")
+    assert layer.format == "lowbit"
+    w = layer.weight_object().dequantize()
+    x = torch.randn(7, 512).half()
+    assert rel_err(layer(x), x.double() @ w.double().t() + lin.bias.double()) <= 2e-3
+
+
+def test_auto_picks_by_predicted_cost_and_stores_one_format():
+    big = SparseLinear.from_linear(pruned_linear(4096, 4096, 0.5))
+    assert big.format == "tca-bme"
+    assert {n for n, _ in big.named_buffers()} == {"bitmap", "values", "gtile_offset", "bias"}
+    assert big.compression_ratio == pytest.approx(1.77, abs=0.02)
+    dense = SparseLinear.from_linear(pruned_linear(4096, 4096, 0.0))
+    assert dense.format == "dense"  # no sparsity: the bitmap would only add bytes
+    report = big.policy_report(print_it=False)
+    assert "spmm" in report and "decode+dense" in report and report.count("\n") == 1 + len(spinfer.nn.policy.N_BUCKETS)
+    # the model: for 50% at N=1 SpMM is predicted faster, for N=1024 decode+dense
+    pred1, pred1024 = big.predicted(1, "cuda"), big.predicted(1024, "cuda")
+    assert pred1["spmm"] < pred1["decode+dense"] and pred1024["decode+dense"] < pred1024["spmm"]
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="nn.Linear"):
+        SparseLinear.from_linear(nn.Conv1d(3, 3, 1))
+    with pytest.raises(ValueError, match="policy"):
+        SparseLinear.from_linear(pruned_linear(8, 16, 0.5), policy="fastest")
+    with pytest.raises(ValueError, match="quant"):
+        SparseLinear.from_linear(pruned_linear(8, 16, 0.5), quant="w3")
+    with pytest.raises(ValueError, match="needs quant"):
+        SparseLinear.from_linear(pruned_linear(8, 16, 0.5), policy="lowbit")
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        SparseLinear.from_weight(torch.randn(8, 16))
+    layer = SparseLinear.from_linear(pruned_linear(8, 16, 0.5))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):
+        layer(torch.randn(2, 15).half())
+    with pytest.raises(TypeError, match="float32"):
+        layer(torch.randn(2, 16))
+
+
+def test_state_dict_round_trip_and_mismatch():
+    a = SparseLinear.from_linear(pruned_linear(300, 500, 0.5), policy="sparse")
+    b = SparseLinear.from_linear(pruned_linear(300, 500, 0.7), policy="sparse")  # other nnz
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 500).half()
+    assert torch.equal(a(x), b(x))
+    c = SparseLinear.from_linear(pruned_linear(300, 500, 0.5), policy="dense")
+    with pytest.raises(ValueError, match="tca-bme 300x500"):
+        c.load_state_dict(a.state_dict())
+    d = SparseLinear.from_linear(pruned_linear(200, 500, 0.5), policy="sparse")
+    with pytest.raises(ValueError, match="300x500"):
+        d.load_state_dict(a.state_dict())
+    sd = a.state_dict()
+    sd["gtile_offset"] = sd["gtile_offset"].clone()
+    sd["gtile_offset"][1] += 8
+    with pytest.raises(ValueError):
+        b.load_state_dict(sd)  # untrusted arrays are validated
+
+
+def test_dtype_and_device_conversions():
+    layer = SparseLinear.from_linear(pruned_linear(256, 512, 0.5), policy="sparse")
+    x = torch.randn(3, 512)
+    ref = layer(x.half()).float()
+    bf = layer.bfloat16()
+    assert bf.values.dtype == torch.bfloat16 and bf.bitmap.dtype == torch.int64
+    assert rel_err(bf(x.bfloat16()), ref) < 1e-2
+    assert layer.half().to("cpu")(x.half()).dtype == torch.float16
+    assert "format=tca-bme" in repr(layer) and "compression_ratio" in repr(layer)
+
+
+def test_compile_fullgraph():
+    model = nn.Sequential(SparseLinear.from_linear(pruned_linear(128, 64, 0.5), policy="sparse"), nn.ReLU())
+    x = torch.randn(4, 64).half()
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), eager)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(256, 512)
+        self.down = nn.Linear(512, 256)
+        self.lm_head = nn.Linear(256, 100)
+
+    def forward(self, x):
+        return self.lm_head(self.down(torch.relu(self.up(x))))
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
+def test_sparsify_prunes_wraps_and_reports(method):
+    torch.manual_seed(0)
+    model = MLP().half()
+    calib = [torch.randn(8, 256).half() for _ in range(3)]
+    dense = MLP().half()
+    dense.load_state_dict(model.state_dict())
+    report = spinfer.sparsify(model, 0.5, method=method, calib=calib, progress=False)
+    assert [r["layer"] for r in report] == ["up", "down"]  # lm_head excluded by default
+    assert isinstance(model.up, SparseLinear) and isinstance(model.lm_head, nn.Linear)
+    for r in report:
+        assert r["sparsity"] == pytest.approx(0.5, abs=1e-3)
+        assert r["memory_after"] <= r["memory_before"]
+    # the wrapped model computes the pruned dense model exactly
+    for name in ("up", "down"):
+        w = getattr(model, name).weight_object()
+        w = w if isinstance(w, torch.Tensor) else w.to_dense()
+        getattr(dense, name).weight.data = w
+    x = torch.randn(5, 256).half()
+    assert rel_err(model(x), dense(x).double()) <= 2e-3
+
+
+def test_wanda_keeps_the_highest_scores_per_row_and_nm():
+    w = torch.randn(16, 64).half()
+    norms = torch.rand(64) * 3
+    s = wanda_scores(w, norms)
+    model = nn.Sequential(nn.Linear(64, 16).half())
+    model[0].weight.data = w.clone()
+    spinfer.sparsify(model, 0.25, method="wanda", calib=[torch.randn(4, 64).half()], exclude=(), progress=False)
+    keep = model[0].weight_object()
+    keep = (keep if isinstance(keep, torch.Tensor) else keep.to_dense()) != 0
+    assert bool((keep.sum(1) == 48).all())
+    m = nm_mask(s, 2, 4)
+    assert bool((m.reshape(16, 16, 4).sum(-1) == 2).all())
+    model = nn.Sequential(nn.Linear(64, 16).half())
+    spinfer.sparsify(model, method="magnitude", nm=(2, 4), exclude=(), progress=False)
+    w2 = model[0].weight_object()
+    w2 = w2 if isinstance(w2, torch.Tensor) else w2.to_dense()
+    assert bool(((w2 != 0).reshape(16, 16, 4).sum(-1) <= 2).all())
+
+
+def test_sparsify_bad_input():
+    model = MLP().half()
+    with pytest.raises(ValueError, match="sparsity"):
+        spinfer.sparsify(model, 1.0, method="magnitude")
+    with pytest.raises(ValueError, match="calib"):
+        spinfer.sparsify(model, 0.5, method="wanda")
+    with pytest.raises(ValueError, match="width 128"):
+        spinfer.sparsify(MLP().half(), 0.5, method="wanda", calib=[torch.randn(2, 128).half()], progress=False)
+    with pytest.raises(ValueError, match="method"):
+        spinfer.sparsify(model, 0.5, method="random")
+    mixed = MLP().half()
+    mixed.down.to("meta")
+    with pytest.raises(ValueError, match="'down'"):
+        spinfer.sparsify(mixed, 0.5, method="magnitude", progress=False)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        spinfer.sparsify(MLP().half(), 0.5, method="magnitude", include=["nothing"], progress=False)
+
+
+@pytest.mark.cuda
+def test_cuda_dispatch_graphs_and_exactness():
+    lin = pruned_linear(2048, 1024, 0.6).cuda()
+    layer = SparseLinear.from_linear(lin, policy="auto").cuda()
+    for n in (1, 5, 16, 128, 1000):
+        x = torch.randn(n, 1024, device="cuda").half()
+        assert rel_err(layer(x), x.double() @ lin.weight.double().t() + lin.bias.double()) <= 2e-3
+    x = torch.randn(4, 1024, device="cuda").half()
+    layer(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x)
+    x.copy_(torch.randn(4, 1024, device="cuda").half())
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, x.double() @ lin.weight.double().t() + lin.bias.double()) <= 2e-3

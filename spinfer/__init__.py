@@ -2,13 +2,14 @@
 
 from .format import TCABME
 from .ops import lowbit_mm, spmm
-from .nn import SparseLinear, calibrate
+from .nn import SparseLinear, calibrate, load, save
 from .prune import magnitude_prune, sparsify
 from .quant import LowBitWeight
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "TCABME", "LowBitWeight", "SparseLinear", "calibrate", "lowbit_mm", "spmm", "magnitude_prune", "sparsify",
+    "TCABME", "LowBitWeight", "SparseLinear", "calibrate", "load", "lowbit_mm", "save", "spmm", "magnitude_prune",
+    "sparsify",
     "__version__",
 ]

@@ -195,3 +195,27 @@ def test_cuda_dispatch_graphs_and_exactness():
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(y, x.double() @ lin.weight.double().t() + lin.bias.double()) <= 2e-3
+
+
+def test_save_load_whole_model(tmp_path):
+    model = MLP().half()
+    spinfer.sparsify(model, 0.6, method="magnitude", progress=False)
+    model.down = SparseLinear.from_linear(nn.Linear(512, 256).half(), quant="w4", policy="lowbit")
+    path = tmp_path / "model.safetensors"
+    spinfer.save(model, path)
+    fresh = MLP().half()  # dense, as a user would build it again
+    spinfer.load(fresh, path)
+    assert isinstance(fresh.up, SparseLinear) and fresh.up.format == model.up.format
+    assert fresh.down.format == "lowbit"
+    x = torch.randn(3, 256).half()
+    assert torch.equal(fresh(x), model(x))
+    other = nn.Sequential()
+    other.up = nn.Linear(256, 100)
+    with pytest.raises(ValueError, match="'up' is 100x256"):
+        spinfer.load(other, path)
+    plain = tmp_path / "plain.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(1)}, str(plain))
+    with pytest.raises(ValueError, match="not written by spinfer.save"):
+        spinfer.load(MLP(), plain)

@@ -1,4 +1,4 @@
-"""Command line: ``spinfer demo`` (also ``python -m spinfer demo``)."""
+"""Command line: ``spinfer demo`` and ``spinfer bench ...`` (also ``python -m spinfer ...``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ def main(argv=None) -> int:
     demo.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda")
     demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("bench", help="run a study: spmm, compression or roofline (spinfer bench --help)",
+                   add_help=False)
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if argv and argv[0] == "bench":
+        from .bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "demo":

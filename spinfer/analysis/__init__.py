@@ -1,0 +1,1 @@
+"""Analysis: compression-ratio study against scipy and closed-form baselines, roofline model."""

@@ -1,0 +1,153 @@
+"""Roofline model of a linear layer ``[M, K] x [K, N]`` (paper Figure 4).
+
+Computational intensity counts the dense-equivalent work, 2 M K N FLOPs, over the bytes that
+must move:
+
+* dense GEMM: 2 M K + 2 K N + 2 M N bytes (fp16);
+* SpMM with a format of compression ratio CR (eq. 7): 2 M K / CR + 2 K N + 2 M N;
+* the index-free optimum (eq. 8): only the nonzero values, 2 M K (1 - s) + 2 K N + 2 M N.
+
+Attainable FLOP/s = min(tensor rate, intensity x bandwidth). Ceilings are measured on the GPU
+(:func:`measure_ceilings`, cached per device), given by the user, or the H100 80GB HBM3 figures
+measured on 2026-11-22 (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float = 3007e9  # bytes/s, device-to-device copy, read + write
+    flops: float = 773e12  # dense fp16 tensor-core FLOP/s
+    name: str = "NVIDIA H100 80GB HBM3 (measured 2026-11-22)"
+    measured: bool = False
+
+    def __post_init__(self):
+        if not (self.bandwidth > 0 and self.flops > 0):
+            raise ValueError(f"ceilings must be positive, got bandwidth={self.bandwidth}, flops={self.flops}")
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("SPINFER_CACHE", Path.home() / ".cache" / "spinfer")) / "roofline_ceilings.json"
+
+
+def measure_ceilings(device="cuda", save: bool = True) -> Ceilings:
+    """Copy bandwidth (2 GiB device-to-device, read + write) and an 8192^3 fp16 matmul."""
+    from ..timing import median_time
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("measuring ceilings needs a CUDA GPU; pass bandwidth/flops for a device you do not have")
+    dev = torch.device(device)
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / median_time(lambda: dst.copy_(src), dev, reps=10, flush_l2=False)
+    del src, dst
+    a = torch.randn(8192, 8192, device=dev).half()
+    fl = 2 * 8192**3 / median_time(lambda: a @ a, dev, reps=10, flush_l2=False)
+    c = Ceilings(bandwidth=bw, flops=fl, name=torch.cuda.get_device_name(dev), measured=True)
+    if save:
+        path = _cache()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[c.name] = asdict(c)
+        path.write_text(json.dumps(data, indent=1))
+    return c
+
+
+def cached_ceilings(name: str) -> Optional[Ceilings]:
+    try:
+        data = json.loads(_cache().read_text())
+    except (OSError, ValueError):
+        return None
+    return Ceilings(**data[name]) if name in data else None
+
+
+def _check(m, k, n):
+    if min(m, k, n) < 1:
+        raise ValueError(f"M, K, N must be >= 1, got {(m, k, n)}")
+
+
+def intensity_dense(m: int, k: int, n: int) -> float:
+    _check(m, k, n)
+    return 2.0 * m * k * n / (2 * m * k + 2 * k * n + 2 * m * n)
+
+
+def intensity_spmm(m: int, k: int, n: int, cr: float) -> float:
+    """Eq. 7: dense-equivalent FLOPs over the bytes of a format with compression ratio ``cr``."""
+    _check(m, k, n)
+    if cr <= 0:
+        raise ValueError(f"compression ratio must be positive, got {cr}")
+    return 2.0 * m * k * n / (2 * m * k / cr + 2 * k * n + 2 * m * n)
+
+
+def intensity_optimal(m: int, k: int, n: int, sparsity: float) -> float:
+    """Eq. 8: the index-free optimum, only the nonzero values move."""
+    _check(m, k, n)
+    if not 0 <= sparsity < 1:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    return 2.0 * m * k * n / (2 * m * k * (1 - sparsity) + 2 * k * n + 2 * m * n)
+
+
+def attainable(intensity: float, c: Ceilings) -> float:
+    return min(c.flops, intensity * c.bandwidth)
+
+
+def points_from_bench_csv(path, max_n: Optional[int] = None) -> List[dict]:
+    """Measured points from a ``bench_spmm`` CSV: cuBLAS and spmm per case, achieved
+    dense-equivalent FLOP/s at their intensity."""
+    pts = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            m, k, n, s = int(r["M"]), int(r["K"]), int(r["N"]), float(r["sparsity"])
+            if max_n is not None and n > max_n:
+                continue
+            flops = 2.0 * m * k * n
+            pts.append({"kind": "cuBLAS", "M": m, "K": k, "N": n, "sparsity": s,
+                        "intensity": intensity_dense(m, k, n), "flops": flops / (float(r["cublas_us"]) * 1e-6)})
+            pts.append({"kind": f"spmm {int(round(s * 100))}%", "M": m, "K": k, "N": n, "sparsity": s,
+                        "intensity": intensity_spmm(m, k, n, float(r["cr"])),
+                        "flops": flops / (float(r["spmm_us"]) * 1e-6)})
+    return pts
+
+
+def roof_fraction(point: dict, c: Ceilings) -> float:
+    """Achieved / attainable at the point's intensity."""
+    return point["flops"] / attainable(point["intensity"], c)
+
+
+def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: bool = True) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ridge = c.flops / c.bandwidth
+    xs = [0.1, ridge, max(ridge * 10, 1e4)]
+    ax.loglog(xs, [attainable(x, c) / 1e12 for x in xs], color="black", lw=1.5,
+              label=f"roof: {c.bandwidth / 1e9:.0f} GB/s, {c.flops / 1e12:.0f} TFLOP/s")
+    kinds = sorted({p["kind"] for p in points})
+    for kind in kinds:
+        sel = [p for p in points if p["kind"] == kind]
+        ax.scatter([p["intensity"] for p in sel], [p["flops"] / 1e12 for p in sel], s=16, label=kind, zorder=3)
+        if label_points:
+            for p in sel:
+                ax.annotate(f"N={p['N']}", (p["intensity"], p["flops"] / 1e12), fontsize=5, alpha=0.7,
+                            xytext=(2, 2), textcoords="offset points")
+    ax.set_xlabel("computational intensity (dense-equivalent FLOP / byte)")
+    ax.set_ylabel("TFLOP/s (dense-equivalent)")
+    ax.set_title(title or f"Roofline, {c.name}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Benchmarks and studies behind ``spinfer bench`` (``python -m spinfer.bench``)."""

@@ -1,0 +1,105 @@
+"""``spinfer bench {spmm,compression,roofline}``: run a study, print its table, and write CSV and
+PNG files into a results folder.
+
+    spinfer bench compression [--shape 4096x4096] [--quick] [--out results]
+    spinfer bench roofline --csv results/spmm.csv [--bandwidth GBPS --flops TFLOPS | --measure]
+    spinfer bench spmm [--quick] [--csv results/spmm.csv]          (needs a CUDA GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..analysis import compression, roofline
+
+
+def run_compression(argv) -> int:
+    p = argparse.ArgumentParser(prog="spinfer bench compression")
+    p.add_argument("--shape", default="4096x4096")
+    p.add_argument("--quick", action="store_true", help="1024x1024, fewer points")
+    p.add_argument("--out", default="results")
+    a = p.parse_args(argv)
+    try:
+        m, k = (int(v) for v in a.shape.split("x"))
+    except ValueError:
+        raise ValueError(f"--shape must look like 4096x4096, got {a.shape!r}") from None
+    if a.quick:
+        m, k = min(m, 1024), min(k, 1024)
+    sps = [0.0, 0.3, 0.5, 0.7, 0.9] if a.quick else [i / 10 for i in range(10)] + [0.95, 0.99]
+    rows = compression.sweep((m, k), sps)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    compression.write_csv(rows, out / "compression.csv")
+    compression.plot(rows, out / "compression.png", title=f"Compression ratio, {m}x{k} fp16, random sparsity")
+    names = [n for n in rows[0] if n != "sparsity"]
+    print(f"compression ratio vs dense fp16, {m}x{k}, random sparsity (scipy formats measured from scipy objects)")
+    print(f"{'sparsity':>8} " + " ".join(f"{n:>15}" for n in names))
+    for r in rows:
+        print(f"{r['sparsity']:>8.2f} " + " ".join(f"{r[n]:>15.3f}" for n in names))
+    print("TCA-BME overtakes:")
+    for n in names:
+        if n not in ("tca-bme", "tca-bme-eq9"):
+            x = compression.crossover(rows, n)
+            print(f"  {n:<16} {'never in the sweep' if x is None else f'from sparsity {x:.3f}'}")
+    print(f"wrote {out / 'compression.csv'} and {out / 'compression.png'}")
+    return 0
+
+
+def run_roofline(argv) -> int:
+    p = argparse.ArgumentParser(prog="spinfer bench roofline")
+    p.add_argument("--csv", required=True, help="a CSV written by spinfer bench spmm")
+    p.add_argument("--bandwidth", type=float, help="GB/s (copy, read + write) of the device to model")
+    p.add_argument("--flops", type=float, help="dense fp16 TFLOP/s of the device to model")
+    p.add_argument("--measure", action="store_true", help="measure the ceilings on this GPU")
+    p.add_argument("--max-n", type=int, default=256)
+    p.add_argument("--out", default="results")
+    a = p.parse_args(argv)
+    if a.measure:
+        c = roofline.measure_ceilings()
+    elif a.bandwidth or a.flops:
+        if not (a.bandwidth and a.flops):
+            raise ValueError("give both --bandwidth and --flops")
+        c = roofline.Ceilings(a.bandwidth * 1e9, a.flops * 1e12, name="user-given", measured=False)
+    else:
+        c = roofline.Ceilings()
+    pts = roofline.points_from_bench_csv(a.csv, max_n=a.max_n)
+    if not pts:
+        raise ValueError(f"{a.csv} holds no benchmark rows")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    roofline.plot(c, pts, out / "roofline.png")
+    print(f"ceilings: {c.bandwidth / 1e9:.0f} GB/s, {c.flops / 1e12:.0f} TFLOP/s ({c.name})")
+    print(f"{'kind':<10} {'M':>6} {'K':>6} {'N':>4} {'FLOP/B':>7} {'TFLOP/s':>8} {'% of roof':>9}")
+    for pt in pts:
+        if pt["N"] <= 16:
+            print(f"{pt['kind']:<10} {pt['M']:>6} {pt['K']:>6} {pt['N']:>4} {pt['intensity']:>7.2f} "
+                  f"{pt['flops'] / 1e12:>8.2f} {100 * roofline.roof_fraction(pt, c):>8.0f}%")
+    print(f"wrote {out / 'roofline.png'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    studies = {"compression": run_compression, "roofline": run_roofline}
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    study, rest = argv[0], argv[1:]
+    if study == "spmm":
+        from .spmm import main as spmm_main
+
+        return spmm_main(rest)
+    if study not in studies:
+        print(f"spinfer bench: unknown study {study!r}; choose from spmm, compression, roofline", file=sys.stderr)
+        return 2
+    try:
+        return studies[study](rest)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"spinfer bench {study}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""SMBD SpMM against cuBLAS fp16 (F.linear on the dense pruned weight), same process.
+
+For each (M, K), N and sparsity: median time with the L2 flushed before every call, the
+ratio cuBLAS time / spmm time, and achieved bandwidth (compressed weight + x + y bytes over
+time) against the device-to-device copy bandwidth measured here (bytes read + written).
+
+    spinfer bench spmm [--quick] [--csv out.csv]      (or python benchmarks/bench_spmm.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import spinfer
+from spinfer.format import TCABME
+from spinfer.timing import median_time
+
+SHAPES = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (12288, 4096)]
+NS = [1, 8, 16, 32, 64, 128, 256]
+SPARSITIES = [0.3, 0.4, 0.5, 0.6, 0.7]
+QUICK_SHAPES = SHAPES[:4]
+QUICK_NS = [1, 8, 16, 32]
+QUICK_SPARSITIES = [0.3, 0.5, 0.7]
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (median)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    t = median_time(lambda: dst.copy_(src), device, reps=20, flush_l2=False)
+    del src, dst
+    return 2 * (1 << 30) / t
+
+
+def print_summary(rows) -> None:
+    """Issue 3's criteria: geomean / min of x cuBLAS over the four large shapes at N in
+    {1, 8, 16, 32} per sparsity, and achieved bandwidth (% of copy) at N <= 16."""
+    issue_shapes = set(QUICK_SHAPES)
+    print("\nsummary over (M, K) in " + ", ".join(f"{m}x{k}" for m, k in QUICK_SHAPES) + ", N in {1, 8, 16, 32}:")
+    for s in sorted({r["sparsity"] for r in rows}):
+        sel = [r for r in rows if r["sparsity"] == s and (r["M"], r["K"]) in issue_shapes and r["N"] in (1, 8, 16, 32)]
+        if not sel:
+            continue
+        sp = [r["speedup"] for r in sel]
+        gm = math.exp(sum(math.log(v) for v in sp) / len(sp))
+        bw = [r["pct_copy"] for r in sel if r["N"] <= 16]
+        print(f"  sparsity {s:.1f}: geomean {gm:.2f}x cuBLAS, min {min(sp):.2f}x, max {max(sp):.2f}x; "
+              f"bandwidth at N<=16 {min(bw):.0f}-{max(bw):.0f}% of copy ({len(sel)} cases)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="spinfer bench spmm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the four large shapes, N<=32, 30/50/70%%")
+    p.add_argument("--shapes", default=None, help="e.g. 28672x8192,4096x4096")
+    p.add_argument("--ns", default=None, help="e.g. 1,8,16")
+    p.add_argument("--sparsities", default=None, help="e.g. 0.5,0.7")
+    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--csv", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_spmm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    dt = torch.float16 if a.dtype == "fp16" else torch.bfloat16
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else (
+        QUICK_SHAPES if a.quick else SHAPES)
+    ns = [int(v) for v in a.ns.split(",")] if a.ns else (QUICK_NS if a.quick else NS)
+    sps = [float(v) for v in a.sparsities.split(",")] if a.sparsities else (
+        QUICK_SPARSITIES if a.quick else SPARSITIES)
+
+    spinfer.build.load_extension()
+    bw = copy_bandwidth(dev)
+    name = torch.cuda.get_device_name(dev)
+    print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); "
+          f"{a.dtype}; L2 flushed before every call; median of {a.reps}")
+    rows = []
+    header = f"{'M':>6} {'K':>6} {'N':>4} {'sparsity':>8} {'cuBLAS us':>10} {'spmm us':>9} {'x cuBLAS':>8} " \
+             f"{'GB/s':>6} {'% copy':>6} {'CR':>5}"
+    print(header)
+    for m, k in shapes:
+        gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
+        dense = torch.randn(m, k, device=dev, generator=gen).to(dt)
+        for s in sps:
+            w = dense.masked_fill(torch.rand(m, k, device=dev, generator=gen) < s, 0.0)
+            enc = TCABME.from_dense(w)
+            wbytes = enc.storage_bytes().total
+            for n in ns:
+                x = torch.randn(n, k, device=dev, generator=gen).to(dt)
+                y = spinfer.spmm(x, enc)
+                ref = F.linear(x, w)
+                err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                t_dense = median_time(lambda: F.linear(x, w), dev, reps=a.reps)
+                t_sp = median_time(lambda: spinfer.spmm(x, enc), dev, reps=a.reps)
+                moved = wbytes + 2 * n * k + 2 * n * m
+                r = dict(M=m, K=k, N=n, sparsity=s, cublas_us=t_dense * 1e6, spmm_us=t_sp * 1e6,
+                         speedup=t_dense / t_sp, gbps=moved / t_sp / 1e9, pct_copy=100 * moved / t_sp / bw,
+                         cr=enc.compression_ratio, rel_err_vs_cublas=err, device=name)
+                rows.append(r)
+                print(f"{m:>6} {k:>6} {n:>4} {s:>8.1f} {r['cublas_us']:>10.1f} {r['spmm_us']:>9.1f} "
+                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f}", flush=True)
+            del enc, w
+        del dense
+    print_summary(rows)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Compression study (scipy sizes read from scipy objects, closed forms, crossovers, plot) and the
+roofline model (intensities, ceilings, measured points, plot), plus the bench front door."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from spinfer.analysis import compression as C
+from spinfer.analysis import roofline as R
+from spinfer.bench.__main__ import main as bench_main
+from spinfer.format import TCABME
+
+DOCS_CSV = Path(__file__).resolve().parents[1] / "docs" / "spmm-h100-2026-11-22.csv"
+
+
+def sparse_weight(m, k, s):
+    w = torch.randn(m, k).half()
+    w[w.view(torch.int16) == 0] = 1.0
+    return w.masked_fill(torch.rand(m, k) < s, 0.0)
+
+
+def test_measured_sizes_match_closed_forms_and_scipy_objects():
+    m, k = 300, 500
+    w = sparse_weight(m, k, 0.6)
+    nnz = int((w.view(torch.int16) != 0).sum())
+    b = C.format_bytes(w)
+    # scipy objects, read back independently: 2 B values (int16 patterns), int32 indices
+    csr = sp.csr_matrix(w.view(torch.int16).numpy())
+    assert b["csr"] == csr.data.nbytes + csr.indices.nbytes + csr.indptr.nbytes
+    assert b["csr"] == 2 * nnz + 4 * nnz + 4 * (m + 1)
+    assert b["csc"] == 2 * nnz + 4 * nnz + 4 * (k + 1)
+    assert b["coo"] == 2 * nnz + 4 * nnz + 4 * nnz
+    assert b["bsr"] >= 2 * m * k  # random sparsity leaves no 16x16 block empty
+    assert b["tiled-csl"] == 4 * (math.ceil(m / 64) * math.ceil(k / 64) + 1) + 4 * nnz
+    enc = TCABME.from_dense(w)
+    assert b["tca-bme"] == enc.storage_bytes().total
+    assert b["tca-bme-eq9"] == enc.storage_bytes().eq9
+    assert b["w4-g128"] == m * k // 2 + 4 * m * math.ceil(k / 128)
+    # SparTA: the expectation matches the count on a large random matrix
+    big = C.format_bytes(sparse_weight(512, 1024, 0.5))
+    assert big["sparta-expected"] == pytest.approx(big["sparta"], rel=0.01)
+
+
+def test_sparta_remainder_counts_only_what_2_4_cannot_hold():
+    mask = np.zeros((2, 8), bool)
+    mask[0, :4] = True  # a full group: 2 go to the remainder
+    mask[1, 4:7] = True  # three in a group: 1
+    assert C.sparta_counted_remainder(mask) == 3
+
+
+def test_sweep_crossover_and_plot(tmp_path):
+    rows = C.sweep((256, 512), [0.0, 0.3, 0.5, 0.7, 0.9])
+    assert rows[2]["tca-bme"] == pytest.approx(2 / (1 + 1 / 8), rel=0.03)
+    assert C.crossover(rows, "csr") == 0.0  # TCA-BME beats CSR everywhere
+    x = C.crossover(rows, "w4-g128")
+    assert 0.7 < x < 0.9  # 4-bit (3.8x) is overtaken between 70% and 90%
+    path = tmp_path / "cr.png"
+    C.plot(rows, path)
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(path)
+    assert img.shape[0] > 300 and img.shape[1] > 500 and img.std() > 0.01  # a non-blank image
+
+
+def test_compression_bad_input():
+    with pytest.raises(ValueError, match="sparsity"):
+        C.sweep((64, 64), [1.5])
+    with pytest.raises(ValueError, match="2-D"):
+        C.format_bytes(torch.zeros(4).half())
+    with pytest.raises(TypeError, match="float16"):
+        C.format_bytes(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="1x1"):
+        C.sweep((0, 64), [0.5])
+
+
+def test_roofline_intensities_and_ceilings():
+    assert R.intensity_dense(4096, 4096, 1) == pytest.approx(2 * 4096 * 4096 / (2 * 4096 * 4096 + 4 * 4096), rel=1e-9)
+    assert R.intensity_spmm(4096, 4096, 8, 1.0) == pytest.approx(R.intensity_dense(4096, 4096, 8))
+    assert R.intensity_optimal(4096, 4096, 8, 0.5) > R.intensity_spmm(4096, 4096, 8, 1.77)
+    c = R.Ceilings(bandwidth=2e12, flops=500e12)
+    assert R.attainable(1.0, c) == 2e12 and R.attainable(1e6, c) == 500e12
+    with pytest.raises(ValueError, match="positive"):
+        R.Ceilings(bandwidth=-1, flops=1)
+    with pytest.raises(ValueError, match="sparsity"):
+        R.intensity_optimal(8, 8, 8, 1.0)
+
+
+def test_roofline_points_and_plot(tmp_path):
+    pts = R.points_from_bench_csv(DOCS_CSV, max_n=16)
+    kinds = {p["kind"] for p in pts}
+    assert kinds == {"cuBLAS", "spmm 30%", "spmm 40%", "spmm 50%", "spmm 60%", "spmm 70%"}
+    c = R.Ceilings()
+    fr = [R.roof_fraction(p, c) for p in pts]
+    assert all(0 < f < 1.05 for f in fr)
+    R.plot(c, pts, tmp_path / "roof.png")
+    assert (tmp_path / "roof.png").stat().st_size > 20_000
+
+
+def test_bench_front_door(tmp_path, capsys):
+    assert bench_main(["compression", "--quick", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "compression.csv").exists() and (tmp_path / "compression.png").exists()
+    assert "TCA-BME overtakes" in capsys.readouterr().out
+    assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--bandwidth", "3000", "--flops", "800",
+                       "--out", str(tmp_path)]) == 0
+    assert "% of roof" in capsys.readouterr().out
+    assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--bandwidth", "3000", "--out", str(tmp_path)]) == 2
+    assert bench_main(["nonsense"]) == 2
+    assert bench_main(["compression", "--shape", "12by4"]) == 2

@@ -119,16 +119,24 @@ def compression_ratios(weight: torch.Tensor, **kw) -> Dict[str, float]:
 
 
 def sweep(shape=(4096, 4096), sparsities: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
-          seed: int = 0, dtype=torch.float16) -> List[dict]:
+          seed: int = 0, dtype=torch.float16, progress: bool = False) -> List[dict]:
     """One row per sparsity: the CR of every format for a random matrix of ``shape``."""
     m, k = (int(v) for v in shape)
     _check_shape(m, k)
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(m, k, generator=gen).to(dtype)
     base[base.view(torch.int16) == 0] = 1.0
+    sparsities = [_check_sparsity(s) for s in sparsities]
+    points = sparsities
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            points = tqdm(sparsities, desc=f"compression {m}x{k}", unit="point")
+        except ImportError:
+            pass
     rows = []
-    for s in sparsities:
-        s = _check_sparsity(s)
+    for s in points:
         w = base.masked_fill(torch.rand(m, k, generator=gen) < s, 0.0)
         rows.append({"sparsity": s, **compression_ratios(w)})
     return rows

@@ -68,6 +68,7 @@ class SparseLinear(nn.Module):
         self.register_buffer("bias", bias)
         self._weight_obj = None  # format object rebuilt from the buffers, dropped by _apply
         self._measured: Dict[tuple, Dict[str, float]] = {}  # autotune: (device, bucket) -> times
+        self._choices: Dict[tuple, str] = {}  # (device, bucket) -> kernel, decided once
 
     # construction -------------------------------------------------------------------
     @classmethod
@@ -118,6 +119,7 @@ class SparseLinear(nn.Module):
     # the stored weight ----------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         self._weight_obj = None  # device or dtype changes: rebuild the format object lazily
+        self._choices = {}
         return super()._apply(fn, recurse)
 
     def weight_object(self):
@@ -183,10 +185,23 @@ class SparseLinear(nn.Module):
             return P.DECODE_DENSE  # on the CPU the reference decodes anyway; skip its validation
         bucket = P.n_bucket(n)
         key = (str(device), bucket)
-        if self.policy == "autotune" and key not in self._measured and not torch.compiler.is_compiling():
+        if key in self._choices:
+            return self._choices[key]
+        # Timing (autotune) synchronises and the device profile may come from a file: neither may
+        # happen while a CUDA graph is being captured or torch.compile is tracing. Then the
+        # default constants decide, without caching, and the next eager call decides for good.
+        tracing = torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+        if tracing:
+            prof = P.DeviceProfile()
+            m, k = self.out_features, self.in_features
+            ngt = self.weight_object().geometry.num_group_tiles
+            times = {kern: P.predict(kern, m, k, bucket, self.memory_bytes(), prof, ngt) for kern in kernels}
+            return min(times, key=times.get)
+        if self.policy == "autotune" and key not in self._measured:
             self._measured[key] = self._time_candidates(bucket)
         times = self._measured.get(key) or self.predicted(bucket, device)
-        return min(times, key=times.get)
+        self._choices[key] = min(times, key=times.get)
+        return self._choices[key]
 
     def _time_candidates(self, n: int) -> Dict[str, float]:
         x = torch.randn(n, self.in_features, device=self._device(), dtype=self.weight_dtype)
@@ -259,6 +274,7 @@ class SparseLinear(nn.Module):
         super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self._aux = tuple(int(v) for v in theirs[4:8])
         self._weight_obj = None
+        self._choices = {}
         if self.format == "tca-bme" and not error_msgs:
             self.weight_object().validate()  # untrusted arrays
 

@@ -219,3 +219,38 @@ def test_save_load_whole_model(tmp_path):
     save_file({"a": torch.ones(1)}, str(plain))
     with pytest.raises(ValueError, match="not written by spinfer.save"):
         spinfer.load(MLP(), plain)
+
+
+def test_autotune_measures_once_and_persists(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))
+    lin = pruned_linear(256, 512, 0.5)
+    calls = []
+
+    def fake_timer(self, n):
+        calls.append(n)
+        return {"spmm": 1e-3, "decode+dense": 2e-3}  # spmm "measured" faster
+
+    monkeypatch.setattr(SparseLinear, "_time_candidates", fake_timer)
+    a = SparseLinear.from_linear(lin, policy="sparse")  # TCA-BME, then tune its dispatch
+    a.policy = "autotune"
+    x = torch.randn(3, 512).half()
+    assert a.choose(3) == "spmm" and calls == [8]
+    a(x), a.choose(5)
+    assert calls == [8]  # same bucket: decided once
+    b = SparseLinear.from_linear(lin, policy="sparse")  # another layer, same weight
+    b.policy = "autotune"
+    assert b.choose(2) == "spmm" and calls == [8]  # read from the persistent cache
+    assert (tmp_path / "autotune.json").exists()
+    assert "1000.0" in b.policy_report(print_it=False)  # measured column filled (1e-3 s in us)
+    ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+    assert rel_err(b(x), ref) <= 2e-3
+
+
+def test_autotune_really_times_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))
+    layer = SparseLinear.from_weight(spinfer.magnitude_prune(torch.randn(512, 512).half(), 0.5), policy="sparse")
+    layer.policy = "autotune"
+    kernel = layer.choose(1)
+    times = layer._measured[("cpu", 1)]
+    assert set(times) == {"spmm", "decode+dense"} and all(t > 0 for t in times.values())
+    assert kernel == min(times, key=times.get)

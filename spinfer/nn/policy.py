@@ -154,3 +154,43 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
         data[key] = asdict(prof)
         path.write_text(json.dumps(data, indent=1))
     return prof
+
+
+# ---- autotune results, persisted per (device, format, shape, nonzeros, N bucket) -------------------
+
+def _autotune_file() -> Path:
+    root = Path(os.environ.get("SPINFER_CACHE", Path.home() / ".cache" / "spinfer"))
+    return root / "autotune.json"
+
+
+def device_name(device: torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _device_key(device)
+    import platform
+
+    return f"cpu|{platform.processor() or platform.machine()}|{torch.get_num_threads()}threads"
+
+
+def autotune_key(device, fmt: str, m: int, k: int, nnz: int, bucket: int) -> str:
+    return f"{device_name(device)}|{fmt}|{m}x{k}|nnz{nnz}|N{bucket}"
+
+
+def load_autotuned(key: str) -> Optional[Dict[str, float]]:
+    try:
+        return json.loads(_autotune_file().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def store_autotuned(key: str, times: Dict[str, float]) -> None:
+    path = _autotune_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[key] = times
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file, never half

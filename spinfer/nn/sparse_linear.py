@@ -181,7 +181,7 @@ class SparseLinear(nn.Module):
         if self.policy == "sparse":
             return P.SPMM
         device = self._device()
-        if device.type != "cuda":
+        if device.type != "cuda" and self.policy != "autotune":
             return P.DECODE_DENSE  # on the CPU the reference decodes anyway; skip its validation
         bucket = P.n_bucket(n)
         key = (str(device), bucket)
@@ -190,7 +190,7 @@ class SparseLinear(nn.Module):
         # Timing (autotune) synchronises and the device profile may come from a file: neither may
         # happen while a CUDA graph is being captured or torch.compile is tracing. Then the
         # default constants decide, without caching, and the next eager call decides for good.
-        tracing = torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+        tracing = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if tracing:
             prof = P.DeviceProfile()
             m, k = self.out_features, self.in_features
@@ -198,7 +198,13 @@ class SparseLinear(nn.Module):
             times = {kern: P.predict(kern, m, k, bucket, self.memory_bytes(), prof, ngt) for kern in kernels}
             return min(times, key=times.get)
         if self.policy == "autotune" and key not in self._measured:
-            self._measured[key] = self._time_candidates(bucket)
+            # measured once per (device, format, shape, nonzeros, bucket), kept across processes
+            disk_key = P.autotune_key(device, self.format, self.out_features, self.in_features, self._aux[3], bucket)
+            times = P.load_autotuned(disk_key)
+            if times is None or set(times) != set(kernels):
+                times = self._time_candidates(bucket)
+                P.store_autotuned(disk_key, times)
+            self._measured[key] = times
         times = self._measured.get(key) or self.predicted(bucket, device)
         self._choices[key] = min(times, key=times.get)
         return self._choices[key]

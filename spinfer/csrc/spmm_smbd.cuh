@@ -2,9 +2,9 @@
 //
 // Read top to bottom:
 //  * One thread block owns ROWS GroupTile rows of W (64 output features each) and a tile of BN
-//    tokens, and walks a range of GroupTiles along K (all of them, or a split-K share). ROWS=2
-//    lets two rows share every x slice, halving the x traffic into the SM, which at N=32 is as
-//    large as the compressed weight itself.
+//    tokens, and walks a range of GroupTiles along K (all of them, or a split-K share). The
+//    planner uses ROWS=1; ROWS=2 (two rows sharing each x slice) measured slower at every N on
+//    H100 (fewer resident blocks) and stays selectable for A/B runs (SPINFER_ROWS=2).
 //  * A 4-stage ring brings each GroupTile to shared memory *compressed*: its 64 bitmap words
 //    (512 B), its value run (16-byte aligned, 2 B per nonzero) and the matching 64-column slice
 //    of x. On sm_90 one thread issues bulk copies (cp.async.bulk) that complete on the stage's
@@ -37,9 +37,10 @@ constexpr int kXStride = kGt + 8;       // halves per x row in smem: +16 B makes
 constexpr unsigned kFull = 0xffffffffu;
 
 // A decoding lane reads values[off] and values[off + 1] unconditionally, off < run for valid
-// data. Arrays that bypassed validation can push off past the run: each half-word's prefix is
-// clamped to the run once per GroupTile, after which a lane adds at most 31 (its masked
-// PopCount) plus 1, so those reads stay inside this slack.
+// data. Arrays that bypassed validation can push off past the run. The per-word decode clamps
+// every offset to the run; the lean decode clamps each half-word's prefix once per GroupTile,
+// after which a lane adds at most 31 (its masked PopCount) plus 1, so its reads stay inside
+// this slack.
 constexpr int kValueSlack = 40;
 
 // Shared memory of one block: kStages stages, each holding for every one of the block's ROWS

@@ -61,3 +61,12 @@ def median_time(
             if deadline and time.perf_counter() > deadline:
                 break
     return statistics.median(times)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy of ``nbytes`` (median): the
+    bandwidth ceiling every benchmark reports against."""
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_time(lambda: dst.copy_(src), device, reps=reps, flush_l2=False)

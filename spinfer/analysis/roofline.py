@@ -15,13 +15,12 @@ measured on 2026-11-22 (DESIGN.md §6).
 from __future__ import annotations
 
 import csv
-import json
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import List, Optional
 
 import torch
+
+from ..cache import read_entry, write_entry
 
 
 @dataclass
@@ -36,39 +35,28 @@ class Ceilings:
             raise ValueError(f"ceilings must be positive, got bandwidth={self.bandwidth}, flops={self.flops}")
 
 
-def _cache() -> Path:
-    return Path(os.environ.get("SPINFER_CACHE", Path.home() / ".cache" / "spinfer")) / "roofline_ceilings.json"
+_CEILINGS_FILE = "roofline_ceilings.json"
 
 
 def measure_ceilings(device="cuda", save: bool = True) -> Ceilings:
     """Copy bandwidth (2 GiB device-to-device, read + write) and an 8192^3 fp16 matmul."""
-    from ..timing import median_time
+    from ..timing import copy_bandwidth, median_time
 
     if not torch.cuda.is_available():
         raise RuntimeError("measuring ceilings needs a CUDA GPU; pass bandwidth/flops for a device you do not have")
     dev = torch.device(device)
-    src = torch.empty(1 << 31, dtype=torch.uint8, device=dev).random_()
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() / median_time(lambda: dst.copy_(src), dev, reps=10, flush_l2=False)
-    del src, dst
+    bw = copy_bandwidth(dev, nbytes=1 << 31, reps=10)
     a = torch.randn(8192, 8192, device=dev).half()
     fl = 2 * 8192**3 / median_time(lambda: a @ a, dev, reps=10, flush_l2=False)
     c = Ceilings(bandwidth=bw, flops=fl, name=torch.cuda.get_device_name(dev), measured=True)
     if save:
-        path = _cache()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[c.name] = asdict(c)
-        path.write_text(json.dumps(data, indent=1))
+        write_entry(_CEILINGS_FILE, c.name, asdict(c))
     return c
 
 
 def cached_ceilings(name: str) -> Optional[Ceilings]:
-    try:
-        data = json.loads(_cache().read_text())
-    except (OSError, ValueError):
-        return None
-    return Ceilings(**data[name]) if name in data else None
+    stored = read_entry(_CEILINGS_FILE, name)
+    return Ceilings(**stored) if stored else None
 
 
 def _check(m, k, n):

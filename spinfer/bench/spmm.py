@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import spinfer
 from spinfer.format import TCABME
-from spinfer.timing import median_time
+from spinfer.timing import copy_bandwidth, median_time
 
 SHAPES = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (12288, 4096)]
 NS = [1, 8, 16, 32, 64, 128, 256]
@@ -27,15 +27,6 @@ SPARSITIES = [0.3, 0.4, 0.5, 0.6, 0.7]
 QUICK_SHAPES = SHAPES[:4]
 QUICK_NS = [1, 8, 16, 32]
 QUICK_SPARSITIES = [0.3, 0.5, 0.7]
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy (median)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    t = median_time(lambda: dst.copy_(src), device, reps=20, flush_l2=False)
-    del src, dst
-    return 2 * (1 << 30) / t
 
 
 def print_summary(rows) -> None:
@@ -106,8 +97,6 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"{m:>6} {k:>6} {n:>4} {s:>8.1f} {r['cublas_us']:>10.1f} {r['spmm_us']:>9.1f} "
                       f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f}", flush=True)
-            del enc, w
-        del dense
     print_summary(rows)
     if a.csv:
         with open(a.csv, "w", newline="") as f:

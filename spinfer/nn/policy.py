@@ -10,14 +10,13 @@ under the user's cache folder.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Dict, Optional
 
 import torch
+
+from ..cache import read_entry, write_entry
 
 # Kernel names a layer can dispatch to.
 DENSE = "dense"  # F.linear on a dense weight (cuBLAS on CUDA)
@@ -78,9 +77,8 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def _cache_file() -> Path:
-    root = Path(os.environ.get("SPINFER_CACHE", Path.home() / ".cache" / "spinfer"))
-    return root / "device_profiles.json"
+_PROFILE_FILE = "device_profiles.json"
+_AUTOTUNE_FILE = "autotune.json"
 
 
 def _device_key(device: torch.device) -> str:
@@ -99,10 +97,7 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     key = _device_key(torch.device(device))
     if key in _PROFILES:
         return _PROFILES[key]
-    try:
-        stored = json.loads(_cache_file().read_text()).get(key)
-    except (OSError, ValueError):
-        stored = None
+    stored = read_entry(_PROFILE_FILE, key)
     if stored:
         stored["gt_cost"] = {int(b): v for b, v in stored["gt_cost"].items()}
         _PROFILES[key] = DeviceProfile(**stored)
@@ -145,23 +140,11 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     key = _device_key(dev)
     _PROFILES[key] = prof
     if save:
-        path = _cache_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = {}
-        data[key] = asdict(prof)
-        path.write_text(json.dumps(data, indent=1))
+        write_entry(_PROFILE_FILE, key, asdict(prof))
     return prof
 
 
 # ---- autotune results, persisted per (device, format, shape, nonzeros, N bucket) -------------------
-
-def _autotune_file() -> Path:
-    root = Path(os.environ.get("SPINFER_CACHE", Path.home() / ".cache" / "spinfer"))
-    return root / "autotune.json"
-
 
 def device_name(device: torch.device) -> str:
     device = torch.device(device)
@@ -177,20 +160,8 @@ def autotune_key(device, fmt: str, m: int, k: int, nnz: int, bucket: int) -> str
 
 
 def load_autotuned(key: str) -> Optional[Dict[str, float]]:
-    try:
-        return json.loads(_autotune_file().read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    return read_entry(_AUTOTUNE_FILE, key)
 
 
 def store_autotuned(key: str, times: Dict[str, float]) -> None:
-    path = _autotune_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = times
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file, never half
+    write_entry(_AUTOTUNE_FILE, key, times)

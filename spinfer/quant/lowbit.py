@@ -81,7 +81,6 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: int32 ``[M, W]`` -> uint8 ``[M, W*32/bits]``."""
     byte = qweight.contiguous().view(torch.uint8)
-    per_byte = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=qweight.device)
     vals = (byte[..., None] >> shifts) & ((1 << bits) - 1)
     return vals.reshape(qweight.shape[0], -1)

@@ -7,6 +7,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from . import build
 from .format import TCABME
 from .ops import spmm
 from .prune import magnitude_prune
@@ -46,14 +47,15 @@ def run_demo(m=4096, k=4096, n=16, sparsity=0.5, dtype="fp16", device="auto", se
     out(f"  compression ratio   {enc.compression_ratio:8.3f}x   (fp16 ideal at this sparsity "
         f"{2 / (2 * (1 - enc.sparsity) + 1 / 8):.3f}x)")
 
+    if dev.type == "cuda":
+        try:
+            build.load_extension()
+        except RuntimeError as exc:  # no CUDA toolkit, or a failed build: say so, use the CPU
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            out(f"  the CUDA kernel could not be built ({first}); running on the CPU instead")
+            dev = torch.device("cpu")
     enc_d, w_d, x_d = enc.to(dev), pruned.to(dev), x.to(dev)
-    try:
-        y = spmm(x_d, enc_d)
-    except NotImplementedError as exc:
-        out(f"  {dev.type} kernel unavailable ({exc}); falling back to the CPU")
-        dev = torch.device("cpu")
-        enc_d, w_d, x_d = enc, pruned, x
-        y = spmm(x_d, enc_d)
+    y = spmm(x_d, enc_d)
     ref = x.double() @ pruned.double().t()
     rel_err = float((y.double().cpu() - ref).norm() / ref.norm())
     t_dense = median_time(lambda: F.linear(x_d, w_d), dev, reps=20, max_seconds=5)

@@ -27,3 +27,16 @@ def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "spinfer", "demo", "--m", "64", "--k", "64",
                           "--n", "1", "--device", "cpu"], capture_output=True, text=True, check=True)
     assert "compression ratio" in out.stdout
+
+
+def test_demo_falls_back_to_cpu_when_the_kernel_cannot_be_built(monkeypatch):
+    from spinfer import build
+
+    def fail(verbose=False):
+        raise RuntimeError("Error building extension 'spinfer_cuda': nvcc not found")
+
+    monkeypatch.setattr(build, "load_extension", fail)
+    lines = []
+    r = run_demo(m=96, k=128, n=2, device="cuda", out=lines.append)
+    assert r["device"] == "cpu" and r["rel_err"] < 2e-3
+    assert any("could not be built (Error building extension" in line for line in lines)

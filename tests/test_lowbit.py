@@ -185,3 +185,15 @@ def test_cuda_matches_reference(bits):
         x = torch.randn(n, 1024, device="cuda").half()
         ref = x.double() @ q.dequantize().double().t()
         assert rel_err(spinfer.lowbit_mm(x, q), ref) <= 2e-3
+
+
+def test_structure_only_check_skips_the_permutation_content():
+    qweight, scales, qzeros, g_idx, _ = random_gptq(256, 16, 4, 128, True)
+    q = LowBitWeight.from_gptq(qweight, scales, qzeros, g_idx=g_idx)
+    bad = q.perm.clone()
+    bad[0] = bad[1]  # not a permutation any more
+    with pytest.raises(ValueError, match="permutation"):
+        LowBitWeight(q.qweight, q.scales, q.zeros, 4, 128, (16, 256), bad)
+    LowBitWeight(q.qweight, q.scales, q.zeros, 4, 128, (16, 256), bad, validate=False)  # O(1) checks pass
+    with pytest.raises(ValueError, match="perm must be"):
+        LowBitWeight(q.qweight, q.scales, q.zeros, 4, 128, (16, 256), bad[:-1], validate=False)

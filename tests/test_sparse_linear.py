@@ -254,3 +254,10 @@ def test_autotune_really_times_on_cpu(tmp_path, monkeypatch):
     times = layer._measured[("cpu", 1)]
     assert set(times) == {"spmm", "decode+dense"} and all(t > 0 for t in times.values())
     assert kernel == min(times, key=times.get)
+
+
+def test_dense_sparsity_counts_positive_zeros_only():
+    w = torch.ones(4, 8).half()
+    w[0, :4] = 0.0
+    w[1, :2] = -0.0  # stored by TCA-BME, so not sparsity
+    assert SparseLinear(w).sparsity == pytest.approx(4 / 32)

@@ -97,6 +97,8 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"{m:>6} {k:>6} {n:>4} {s:>8.1f} {r['cublas_us']:>10.1f} {r['spmm_us']:>9.1f} "
                       f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f}", flush=True)
+                if err > 1e-2:  # a fast wrong answer is not a result: say so on the row
+                    print(f"  WARNING: spmm differs from cuBLAS by {err:.2e} (relative) on this case", flush=True)
     print_summary(rows)
     if a.csv:
         with open(a.csv, "w", newline="") as f:

@@ -244,6 +244,12 @@ def _boundary_bits_set(bitmap: torch.Tensor, geom: Geometry) -> bool:
     return False
 
 
+def longest_run(gtile_offset: torch.Tensor) -> int:
+    """Longest GroupTile value run (elements, padding included) given by the offsets."""
+    off = gtile_offset.long()
+    return int((off[1:] - off[:-1]).max()) if off.numel() > 1 else 0
+
+
 def validate_arrays(bitmap, values, gtile_offset, geom: Geometry) -> None:
     """Full check that the arrays are a well-formed TCA-BME encoding of ``geom``.
 
@@ -311,8 +317,7 @@ class TCABME:
         # Read now, eagerly: under torch.compile a lazy read would be data-dependent. Callers
         # that already know it (a module rebuilding its weight) pass it and skip the sync.
         if max_run is None or validate:
-            off = gtile_offset.long()
-            actual = int((off[1:] - off[:-1]).max()) if off.numel() > 1 else 0
+            actual = longest_run(gtile_offset)
             if max_run is not None and int(max_run) != actual:
                 raise ValueError(f"max_run={max_run} does not match the longest GroupTile run ({actual})")
             max_run = actual

@@ -2,7 +2,8 @@
 
 The public wrapper :func:`spmm` checks its inputs (naming what is wrong) and flattens
 leading batch dimensions; the op itself takes a contiguous ``x [N, K]`` and the three
-TCA-BME arrays.  The CPU implementation is the reference: decode, then multiply in fp32.
+TCA-BME arrays.  The CPU implementation is the reference: decode, then multiply in fp32; the
+CUDA one is the SMBD kernel (spinfer/csrc), registered when the extension loads.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 import torch
 
 from .. import build
-from ..format.tca_bme import TCABME, Geometry, check_structure, decode, validate_arrays
+from ..format.tca_bme import TCABME, Geometry, check_structure, decode, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
 from .linear_input import check_op_inputs, flatten_input
 
@@ -30,8 +31,7 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
     geom = Geometry(m, k, gt_h, gt_w)
     # The arrays may come from anywhere when the op is called directly: check them fully.
     validate_arrays(bitmap, values, gtile_offset, geom)
-    off = gtile_offset.long()
-    longest = int((off[1:] - off[:-1]).max()) if off.numel() > 1 else 0
+    longest = longest_run(gtile_offset)
     if max_run < longest:
         raise ValueError(f"max_run={max_run} is below the longest GroupTile run ({longest})")
     check_op_inputs(x, values, m, k, bias)

@@ -111,6 +111,8 @@ class LowBitWeight:
         group_size: Optional[int],
         shape: Tuple[int, int],
         perm: Optional[torch.Tensor] = None,
+        *,
+        validate: bool = True,
     ):
         try:
             m, k = (int(v) for v in shape)
@@ -122,7 +124,10 @@ class LowBitWeight:
         self.group_size = resolve_group_size(group_size, k)
         self.shape = (m, k)
         self.qweight, self.scales, self.zeros, self.perm = qweight, scales, zeros, perm
-        self.validate()
+        if validate:
+            self.validate()
+        else:
+            self.check_structure()
 
     # construction -------------------------------------------------------------------
     @classmethod
@@ -229,6 +234,16 @@ class LowBitWeight:
         return dequantize(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.shape, self.perm)
 
     def validate(self) -> None:
+        """Full check: :meth:`check_structure` plus that ``perm`` is a permutation (O(K), and a
+        device sync for CUDA arrays)."""
+        self.check_structure()
+        if self.perm is not None:
+            k = self.shape[1]
+            if not torch.equal(torch.sort(self.perm).values, torch.arange(k, device=self.perm.device)):
+                raise ValueError("perm is not a permutation of range(K)")
+
+    def check_structure(self) -> None:
+        """O(1) checks of types, dtypes, shapes and devices, with no device sync."""
         m, k = self.shape
         words = padded_k(k) * self.bits // 32
         if not isinstance(self.qweight, torch.Tensor) or self.qweight.dtype != torch.int32:
@@ -246,8 +261,6 @@ class LowBitWeight:
         if self.perm is not None:
             if self.perm.shape != (k,) or self.perm.dtype != torch.int64:
                 raise ValueError(f"perm must be an int64 [{k}] tensor")
-            if not torch.equal(torch.sort(self.perm).values, torch.arange(k, device=self.perm.device)):
-                raise ValueError("perm is not a permutation of range(K)")
         devices = {t.device for t in (self.qweight, self.scales, self.zeros) if t is not None}
         if self.perm is not None:
             devices.add(self.perm.device)

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
-#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full]
-#   (default: tests tests-cp-async sanitize bench; the build always runs)
+#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
+#   (default: tests tests-cp-async sanitize bench bench-lowbit; the build always runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/spinfer-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export SPINFER_CACHE="${SPINFER_CACHE:-/tmp/spinfer-cache}"
-steps="${*:-tests tests-cp-async sanitize bench}"
+steps="${*:-tests tests-cp-async sanitize bench bench-lowbit}"
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
@@ -42,5 +42,9 @@ if [[ " $steps " == *" bench-full "* ]]; then
     python3 benchmarks/bench_spmm.py --csv "$OUT/spmm.csv" 2>&1 | tee "$OUT/bench.log"
 elif [[ " $steps " == *" bench "* ]]; then
     python3 benchmarks/bench_spmm.py --quick --csv "$OUT/spmm.csv" 2>&1 | tee "$OUT/bench.log"
+fi
+if [[ " $steps " == *" bench-lowbit "* ]]; then
+    python3 benchmarks/bench_lowbit.py --quick --csv "$OUT/lowbit.csv" >"$OUT/bench-lowbit.log" 2>&1 || status=1
+    sed -n '/^summary/,$p' "$OUT/bench-lowbit.log"
 fi
 exit $status

@@ -1,5 +1,6 @@
-"""Small and odd SpMM launches for compute-sanitizer (memcheck, racecheck): split-K on and
-off, a corrupt offsets array, fp16 and bf16."""
+"""Small and odd launches for compute-sanitizer (memcheck, racecheck, synccheck): SpMM with
+split-K on and off, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
+width and group, odd M and K, split-K on and off, every tile width."""
 
 import os
 
@@ -21,5 +22,16 @@ for m, k, n, splits in [(64, 64, 1, "1"), (4097, 1000, 7, "1"), (4097, 1000, 9, 
         off[1] = 2**31 - 1  # corrupt on purpose: must stay in bounds
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, m, k, 64, 64, enc.max_run)
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, 8)  # too small
+from spinfer.quant import LowBitWeight  # noqa: E402
+
+for bits in (1, 2, 4, 8):
+    for m, k, group, n, splits in [(333, 1000, None, 1, "1"), (70, 1280, 64, 16, "3"), (130, 1152, 32, 33, "2"),
+                                   (64, 256, 128, 8, "1")]:
+        os.environ["SPINFER_LOWBIT_SPLITS"] = splits
+        for dt in (torch.float16, torch.bfloat16):
+            q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
+            x = torch.randn(n, k, device="cuda").to(dt)
+            out = torch.empty(n, m, device="cuda", dtype=dt)
+            spinfer.lowbit_mm(x, q, torch.randn(m, device="cuda").to(dt), out=out)
 torch.cuda.synchronize()
 print("sanitize cases ran")

@@ -109,5 +109,7 @@ def test_bench_front_door(tmp_path, capsys):
     assert "% of roof" in capsys.readouterr().out
     assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--bandwidth", "3000", "--out", str(tmp_path)]) == 2
     assert bench_main(["nonsense"]) == 2
-    assert bench_main(["lowbit"]) == 2 and "not available yet" in capsys.readouterr().err
+    assert bench_main(["e2e"]) == 2 and "not available yet" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench_main(["lowbit", "--quick"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
     assert bench_main(["compression", "--shape", "12by4"]) == 2

@@ -104,3 +104,13 @@ def test_max_run_is_the_longest_group_tile_run():
     enc = TCABME.from_dense(w)
     assert enc.max_run == 4096
     assert TCABME.from_state_dict(enc.state_dict()).max_run == 4096
+
+
+def test_spmm_out_on_cpu_writes_the_reference():
+    w = torch.randn(64, 128).half().masked_fill(torch.rand(64, 128) < 0.5, 0)
+    enc = TCABME.from_dense(w)
+    x = torch.randn(3, 128).half()
+    out = torch.full((3, 64), float("nan")).half()
+    torch.ops.spinfer.spmm_out(x, enc.bitmap, enc.values, enc.gtile_offset, 64, 128, 64, 64, enc.max_run, None,
+                               out=out)
+    assert rel_err(out, x.double() @ w.double().t()) <= 2e-3

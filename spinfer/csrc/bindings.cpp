@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "lowbit_mm.h"
 #include "spmm_smbd.h"
 
 namespace spinfer {
@@ -128,10 +129,88 @@ void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tens
   run(p, gtile_offset, m, max_run, bias, out);
 }
 
+// ---- lowbit_mm_out: the fused low-bit kernel. The Python layer (LowBitWeight and
+// check_op_inputs) has already checked everything below; these checks guard direct calls.
+void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t bits, int64_t group_size, int64_t m, int64_t k,
+                        const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::lowbit_mm_out (CUDA) got x on ", x.device());
+  TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(m >= 1 && k >= 1 && group_size >= 1 && k % group_size == 0,
+                    "bad low-bit geometry: m=", m, " k=", k, " group_size=", group_size);
+  const int64_t kp = (k + 127) / 128 * 128, groups = k / group_size;
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "x must be [N, ", k, "], got ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+                   "x must be float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(qweight.scalar_type() == at::kInt, "qweight must be int32");
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.size(0) == m && qweight.size(1) == kp * bits / 32,
+                    "qweight must be [", m, ", ", kp * bits / 32, "], got ", qweight.sizes());
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), "scales/zeros are ", t->scalar_type(), " but x is ",
+                     x.scalar_type());
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == m && t->size(1) == groups, "scales/zeros must be [", m, ", ",
+                      groups, "], got ", t->sizes());
+  }
+  for (const at::Tensor* t : {&qweight, &scales, &zeros, const_cast<const at::Tensor*>(&out)})
+    TORCH_CHECK_VALUE(t->device() == x.device(), "x is on ", x.device(), " but an array is on ", t->device());
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
+                    "out must be a contiguous [", x.size(0), ", ", m, "] tensor, got ", out.sizes());
+  TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", out.scalar_type(), " but x is ",
+                   x.scalar_type());
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == m && bias->device() == x.device(),
+                      "bias must be a [", m, "] tensor on ", x.device());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "bias is ", bias->scalar_type(), " but x is ",
+                     x.scalar_type());
+  }
+  TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && kp <= INT32_MAX, "shape too large");
+  const int64_t n = x.size(0);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  // Act-order: gather x's columns once. The kernel reads whole 128-column chunks of x: pad K
+  // with zeros (the padded weight columns hold q = 0 but a nonzero zero-point).
+  at::Tensor xg = x;
+  if (perm) {
+    TORCH_CHECK_VALUE(perm->dim() == 1 && perm->size(0) == k && perm->scalar_type() == at::kLong &&
+                          perm->device() == x.device(),
+                      "perm must be an int64 [", k, "] tensor on ", x.device());
+    xg = x.index_select(1, *perm);
+  }
+  xg = kp == k ? aligned16(xg) : at::constant_pad_nd(xg, {0, kp - k}, 0).contiguous();
+  const at::Tensor qw = aligned16(qweight), sc = scales.contiguous(), ze = zeros.contiguous();
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const LowbitPlan plan = lowbit_mm_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(kp),
+                                         static_cast<int>(bits), static_cast<int>(group_size), x.get_device(), bf16);
+  at::Tensor workspace, counters;
+  if (plan.splits > 1) {
+    workspace = at::empty({plan.workspace_floats}, x.options().dtype(at::kFloat));
+    counters = at::zeros({plan.counters}, x.options().dtype(at::kInt));
+  }
+  LowbitArgs a{};
+  a.x = xg.data_ptr();
+  a.qweight = reinterpret_cast<const uint32_t*>(qw.data_ptr<int32_t>());
+  a.scales = sc.data_ptr();
+  a.zeros = ze.data_ptr();
+  a.bias = bias ? b.data_ptr() : nullptr;
+  a.y = out.data_ptr();
+  a.workspace = plan.splits > 1 ? workspace.data_ptr<float>() : nullptr;
+  a.counters = plan.splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
+  a.m = static_cast<int>(m);
+  a.n = static_cast<int>(n);
+  a.kp = static_cast<int>(kp);
+  a.group_size = static_cast<int>(group_size);
+  a.groups = static_cast<int>(groups);
+  a.bits = static_cast<int>(bits);
+  a.bf16 = bf16;
+  C10_CUDA_CHECK(lowbit_mm_run(a, plan, at::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 }  // namespace spinfer
 
 TORCH_LIBRARY_IMPL(spinfer, CUDA, m) {
   m.impl("spmm", &spinfer::spmm_cuda);
   m.impl("spmm_out", &spinfer::spmm_out_cuda);
+  m.impl("lowbit_mm_out", &spinfer::lowbit_mm_out_cuda);
 }

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "epilogue.cuh"
 #include "ptx.cuh"
 #include "spmm_smbd.h"
 
@@ -63,27 +64,6 @@ struct Layout {
         stage_bytes(x_offset + kXBytes) {}
   __host__ __device__ int smem_bytes(int k_per_split) const {
     return kStages * stage_bytes + (ROWS * (k_per_split + 1) * 4 + 15) / 16 * 16;
-  }
-};
-
-template <bool kBF16>
-struct Out;
-template <>
-struct Out<false> {
-  static __device__ __forceinline__ float load(const void* p, int i) {
-    return __half2float(static_cast<const __half*>(p)[i]);
-  }
-  static __device__ __forceinline__ void store(void* p, int64_t i, float v) {
-    static_cast<__half*>(p)[i] = __float2half_rn(v);
-  }
-};
-template <>
-struct Out<true> {
-  static __device__ __forceinline__ float load(const void* p, int i) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  }
-  static __device__ __forceinline__ void store(void* p, int64_t i, float v) {
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
   }
 };
 
@@ -202,60 +182,6 @@ __device__ __forceinline__ void decode_and_multiply(const uint32_t* bm32, const 
       ptx::mma_m16n8k16<kBF16>(acc[nb], a, b_lo, b_hi);
     }
   }
-}
-
-// Writes the block's results. Warp (rw, w) = (warp / 4, warp % 4) holds rows
-// 64*rw + 16*w + g (+8) of the block and token columns 2*tq (+1) of each n8 sub-tile.
-template <bool kBF16, int BN, int ROWS>
-__device__ __forceinline__ void epilogue(const SpmmArgs& args, const BlockWork& b, int splits,
-                                         const float (&acc)[BN / 8][4], int warp, int lane, int tid,
-                                         int* s_is_last) {
-  constexpr int kThreads = Layout<BN, ROWS>::kThreads;
-  constexpr int kBlockRows = kGt * ROWS;
-  const int g = lane / 4, tq = lane % 4;
-  const int m_local = (warp / kConsumers) * kGt + (warp % kConsumers) * 16 + g;
-  const int m_base = b.row0 * kGt;
-  if (splits == 1) {
-#pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = m_base + m_local + (e / 2) * 8, n = b.n0 + nb * 8 + 2 * tq + (e % 2);
-        if (m < args.m && n < args.n) {
-          const float bias = args.bias ? Out<kBF16>::load(args.bias, m) : 0.f;
-          Out<kBF16>::store(args.y, static_cast<int64_t>(n) * args.m + m, acc[nb][e] + bias);
-        }
-      }
-    return;
-  }
-  // Split-K: an fp32 partial tile [BN][kBlockRows] per split; the last block to arrive for the
-  // tile sums the splits in order 0..splits-1 (deterministic), adds bias, casts, and re-arms
-  // the counter for the next launch.
-  const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  constexpr int64_t kTileFloats = BN * kBlockRows;
-  const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kTileFloats;
-  float* part = args.workspace + b.split * split_stride + tile * kTileFloats;
-#pragma unroll
-  for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
-  __threadfence();  // partials visible device-wide before this block is counted
-  __syncthreads();
-  if (tid == 0) *s_is_last = atomicAdd(args.counters + tile, 1) == splits - 1;
-  __syncthreads();
-  if (!*s_is_last) return;
-  __threadfence();  // pairs with the writers' fence: their partials are visible now
-  const float* base = args.workspace + tile * kTileFloats;
-  for (int idx = tid; idx < kTileFloats; idx += kThreads) {
-    const int m = m_base + idx % kBlockRows, n = b.n0 + idx / kBlockRows;
-    float s = 0.f;
-    for (int sp = 0; sp < splits; ++sp) s += __ldcg(base + sp * split_stride + idx);
-    if (m < args.m && n < args.n) {
-      const float bias = args.bias ? Out<kBF16>::load(args.bias, m) : 0.f;
-      Out<kBF16>::store(args.y, static_cast<int64_t>(n) * args.m + m, s + bias);
-    }
-  }
-  if (tid == 0) args.counters[tile] = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -394,7 +320,9 @@ __global__ void __launch_bounds__(Layout<BN, ROWS>::kThreads)
       }
       ptx::cp_async_wait_group<0>();
     }
-    epilogue<kBF16, BN, ROWS>(args, b, splits, acc, warp, lane, tid, &s_is_last);
+    const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
+    store_tile<kBF16, BN, kGt * ROWS, L::kThreads>(out, b.row0 * kGt, rw * kGt + w * 16 + lane / 4, b.n0, b.split,
+                                                   splits, acc, lane, tid, &s_is_last);
   }
 }
 

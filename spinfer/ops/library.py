@@ -22,7 +22,11 @@ LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")
 LIB.define(f"spmm_out({_SPMM_ARGS}, *, Tensor(a!) out) -> ()")
 
 # Weight-only low-bit matmul: y = x @ dequantize(W).T + bias (spinfer/quant/lowbit.py layout).
-LIB.define(
-    "lowbit_mm(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, int group_size, "
-    "int m, int k, Tensor? perm=None, Tensor? bias=None) -> Tensor"
+_LOWBIT_ARGS = (
+    "Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, int group_size, "
+    "int m, int k, Tensor? perm=None, Tensor? bias=None"
 )
+# Picks the fused kernel or dequantize-then-cuBLAS by N (spinfer/ops/lowbit_mm.py).
+LIB.define(f"lowbit_mm({_LOWBIT_ARGS}) -> Tensor")
+# Always the fused kernel on CUDA, into a caller-provided [N, M] buffer.
+LIB.define(f"lowbit_mm_out({_LOWBIT_ARGS}, *, Tensor(a!) out) -> ()")

@@ -1,8 +1,10 @@
 """``spinfer::lowbit_mm``: ``y = x @ W.T + bias`` with ``W`` a weight-only low-bit
 :class:`~spinfer.quant.LowBitWeight`.
 
-CPU: the reference (dequantize, multiply in fp32). CUDA: dequantize on the GPU, then cuBLAS,
-the path for large N; the fused GEMV and tensor-core kernels for small N are not written yet.
+CPU: the reference (dequantize, multiply in fp32). CUDA: for ``N <= FUSED_MAX_N`` the fused
+kernel (``spinfer::lowbit_mm_out``, spinfer/csrc/lowbit_mm.cuh), which dequantizes in
+registers straight into tensor-core fragments; above it, dequantize on the GPU and call cuBLAS,
+which wins once the multiply is compute-bound (crossover measured by benchmarks/bench_lowbit.py).
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import build
 from ..quant.lowbit import LowBitWeight, dequantize
 from . import library  # noqa: F401  (defines the schemas)
 from .linear_input import check_op_inputs, flatten_input
+
+# Largest N served by the fused kernel; dequantize + cuBLAS above. Never below 32 (issue 4).
+FUSED_MAX_N = 64
 
 
 def _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, accumulate=torch.float32):
@@ -28,33 +34,76 @@ def _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, ac
     return F.linear(x, w, bias)  # cuBLAS: fp16/bf16 inputs, fp32 accumulation
 
 
+def _check_out(out, x, m) -> None:
+    if not isinstance(out, torch.Tensor) or out.shape != (x.shape[0], m) or out.dtype != x.dtype:
+        raise ValueError(f"out must be a [{x.shape[0]}, {m}] {x.dtype} tensor, got "
+                         f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
+    if out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous and on {x.device}")
+
+
 @torch.library.register_fake("spinfer::lowbit_mm")
 def _lowbit_mm_fake(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None):
     check_op_inputs(x, scales, m, k, bias)
+    if x.device.type == "cuda" and x.shape[0] <= FUSED_MAX_N:
+        build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
 
-@torch.library.impl("spinfer::lowbit_mm", "CPU")
 def _lowbit_mm_cpu(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None):
     LowBitWeight(qweight, scales, zeros, bits, group_size, (m, k), perm)  # validates the arrays
     return _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias)
 
 
-@torch.library.impl("spinfer::lowbit_mm", "CUDA")
 def _lowbit_mm_cuda(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None):
     # O(1) checks only: the permutation check would sync the device on every call. A perm that
-    # is not a permutation gathers wrong columns but never reads out of bounds (index_put).
+    # is not a permutation gathers wrong columns but never reads out of bounds (index_select).
     LowBitWeight(qweight, scales, zeros, bits, group_size, (m, k), perm, validate=False)
-    return _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, accumulate=None)
+    if x.shape[0] > FUSED_MAX_N:
+        return _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, accumulate=None)
+    check_op_inputs(x, scales, m, k, bias)
+    out = x.new_empty((x.shape[0], m))
+    torch.ops.spinfer.lowbit_mm_out(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, out=out)
+    return out
 
 
-def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+@torch.library.register_fake("spinfer::lowbit_mm_out")
+def _lowbit_mm_out_fake(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None, *, out):
+    check_op_inputs(x, scales, m, k, bias)
+    _check_out(out, x, m)
+
+
+def _lowbit_mm_out_cpu(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None, *, out):
+    _check_out(out, x, m)
+    out.copy_(_lowbit_mm_cpu(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias))
+
+
+# The decorator form would rebind these names to None; register them explicitly so the
+# implementations can call each other.
+torch.library.impl("spinfer::lowbit_mm", "CPU")(_lowbit_mm_cpu)
+torch.library.impl("spinfer::lowbit_mm", "CUDA")(_lowbit_mm_cuda)
+torch.library.impl("spinfer::lowbit_mm_out", "CPU")(_lowbit_mm_out_cpu)
+
+
+def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None,
+              *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
-    ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation)."""
+    ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation).
+
+    With ``out`` (a contiguous ``[N, M]`` tensor, ``N`` the product of the leading dims), the
+    fused kernel writes into it at any N: static buffers for CUDA graphs."""
     x2, lead = flatten_input(x, weight, LowBitWeight, weight.scales, bias)
     m, k = weight.shape
+    if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
+        build.load_extension()  # JIT-compiles the kernels on first use, then cached
+    args = (x2, weight.qweight, weight.scales, weight.zeros, weight.bits, weight.group_size, m, k, weight.perm, bias)
+    if out is not None:
+        weight.check_structure()
+        check_op_inputs(x2, weight.scales, m, k, bias)
+        _check_out(out, x2, m)
+        if x2.shape[0]:
+            torch.ops.spinfer.lowbit_mm_out(*args, out=out)
+        return out.view(*lead, m)
     if x2.shape[0] == 0:
         return x.new_empty((*lead, m))
-    y = torch.ops.spinfer.lowbit_mm(x2, weight.qweight, weight.scales, weight.zeros, weight.bits,
-                                    weight.group_size, m, k, weight.perm, bias)
-    return y.reshape(*lead, m)
+    return torch.ops.spinfer.lowbit_mm(*args).reshape(*lead, m)

@@ -26,7 +26,6 @@ def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=
     return x.new_empty((x.shape[0], m))
 
 
-@torch.library.impl("spinfer::spmm", "CPU")
 def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None):
     geom = Geometry(m, k, gt_h, gt_w)
     # The arrays may come from anywhere when the op is called directly: check them fully.
@@ -47,11 +46,16 @@ def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, b
     check_op_inputs(x, values, m, k, bias)
 
 
-@torch.library.impl("spinfer::spmm_out", "CPU")
 def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, *, out):
     if out.shape != (x.shape[0], m) or out.dtype != x.dtype:
         raise ValueError(f"out must be a [{x.shape[0]}, {m}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias))
+
+
+# The decorator form would rebind these names to None; register them explicitly so the
+# implementations can call each other.
+torch.library.impl("spinfer::spmm", "CPU")(_spmm_cpu)
+torch.library.impl("spinfer::spmm_out", "CPU")(_spmm_out_cpu)
 
 
 def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -2,11 +2,14 @@
 
 Layout (chosen for the kernels; docs/quant.md):
 
-* ``qweight``: int32 ``[M, Kp * bits / 32]``, row-major by output feature, so a GEMV lane
-  streams one row with coalesced 16-byte loads. ``Kp`` is K rounded up to a multiple of 128,
-  which makes every row a whole number of 16-byte chunks for every bit width; padding holds
-  ``q = 0`` and meets zero-padded activations. Inside a word, value ``j`` occupies bits
-  ``[bits*j, bits*(j+1))`` (little-endian: the first value in the lowest bits).
+* ``qweight``: int32 ``[M, Kp * bits / 32]``, row-major by output feature. ``Kp`` is K rounded
+  up to a multiple of 128; padding holds ``q = 0`` and meets zero-padded activations. Each
+  row is a sequence of 128-column chunks of ``4 * bits`` words, and inside a chunk the values
+  are stored in the fused kernel's fragment order (:func:`fragment_order`): lane ``t`` of an
+  mma.m16n8k16 warp fetches its share of the chunk (``bits`` consecutive words, one 4..32-byte
+  load) and finds value ``s`` and value ``s + 16/bits`` of a word 16 bits apart, ready for a
+  one-instruction conversion to a half2. Inside a word, stream value ``j`` occupies bits
+  ``[bits*j, bits*(j+1))``.
 * ``scales`` and ``zeros``: ``[M, K / group_size]`` in the weight dtype (fp16/bf16). Zeros are
   floats so HQQ-style fractional zeros import exactly; the RTN quantizer stores integers.
 * ``perm`` (optional): int64 ``[K]``. GPTQ act-order checkpoints have groups scattered over K;
@@ -29,7 +32,7 @@ SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 K_ALIGN = 128  # K padding: a multiple of 128 values is a multiple of 16 bytes at every width
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fragment order inside each 128-column chunk
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,29 @@ def padded_k(k: int) -> int:
     return -(-k // K_ALIGN) * K_ALIGN
 
 
-def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """``q`` integer ``[M, Kp]`` with values in ``[0, 2**bits)`` -> int32 ``[M, Kp*bits/32]``."""
+def fragment_order(bits: int) -> torch.Tensor:
+    """Column (0..127) of each value of a packed 128-column chunk, in stream order.
+
+    Stream value ``j`` is word ``j // V`` (``V = 32 // bits`` values per word), position
+    ``p = j % V`` in it. Word ``t * bits + wi`` belongs to lane ``t`` (0..3) of the kernel. In
+    the word, position ``p`` is pair ``s = p % (V/2)``, half ``e = p // (V/2)`` (so the pair's
+    two values sit 16 bits apart); pair ``s`` of word ``wi`` feeds k16 tile
+    ``T = wi * V/4 + s // 2`` and A-fragment slot ``2 * (s % 2) + e``, which is column
+    ``16*T + 4*t + slot`` of the chunk: the four columns whose activations lane ``t`` holds
+    in its B fragment."""
+    bits = check_bits(bits)
+    v = 32 // bits
+    j = torch.arange(K_ALIGN)
+    word, p = j // v, j % v
+    t, wi = word // bits, word % bits
+    s, e = p % (v // 2), p // (v // 2)
+    tile = wi * (v // 4) + s // 2
+    return 16 * tile + 4 * t + 2 * (s % 2) + e
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Little-endian bit packing: integer ``[R, C]`` (``C*bits`` a multiple of 32) -> int32
+    ``[R, C*bits/32]``, value ``j`` of a word at bits ``[bits*j, bits*(j+1))``."""
     m, kp = q.shape
     per_byte = 8 // bits
     qb = q.to(torch.uint8).reshape(m, kp // per_byte, per_byte)
@@ -78,12 +102,33 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return byte.contiguous().view(torch.int32)
 
 
-def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: int32 ``[M, W]`` -> uint8 ``[M, W*32/bits]``."""
-    byte = qweight.contiguous().view(torch.uint8)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=qweight.device)
+def unpack_bits(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: int32 ``[R, W]`` -> uint8 ``[R, W*32/bits]``."""
+    byte = words.contiguous().view(torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)
     vals = (byte[..., None] >> shifts) & ((1 << bits) - 1)
-    return vals.reshape(qweight.shape[0], -1)
+    return vals.reshape(words.shape[0], -1)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` integer ``[M, Kp]`` (Kp a multiple of 128) with values in ``[0, 2**bits)`` -> the
+    ``qweight`` layout: int32 ``[M, Kp*bits/32]``, fragment order inside each chunk."""
+    m, kp = q.shape
+    if kp % K_ALIGN:
+        raise ValueError(f"pack takes K padded to a multiple of {K_ALIGN}, got {kp}")
+    order = fragment_order(bits).to(q.device)
+    stream = q.reshape(m, kp // K_ALIGN, K_ALIGN)[..., order].reshape(m, kp)
+    return pack_bits(stream, bits)
+
+
+def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``qweight`` int32 ``[M, W]`` -> uint8 ``[M, W*32/bits]`` in
+    column order."""
+    stream = unpack_bits(qweight, bits)
+    m, kp = stream.shape
+    out = torch.empty_like(stream).reshape(m, kp // K_ALIGN, K_ALIGN)
+    out[..., fragment_order(bits).to(stream.device)] = stream.reshape(m, kp // K_ALIGN, K_ALIGN)
+    return out.reshape(m, kp)
 
 
 def dequantize(qweight, scales, zeros, bits: int, group_size: int, shape, perm=None) -> torch.Tensor:
@@ -208,8 +253,8 @@ class LowBitWeight:
             raise ValueError(
                 f"GPTQ qzeros must be [K/g, ceil(M*bits/32)] = [{k // g}, {-(-m // per_word)}], got {tuple(qzeros.shape)}"
             )
-        q = unpack(qweight.t().contiguous(), bits)  # [M, K]: word w of column m holds k = w*per_word + j
-        z = unpack(qzeros, bits)[:, :m].t().float() + 1.0  # [M, K/g], the stored zero - 1 convention
+        q = unpack_bits(qweight.t().contiguous(), bits)  # [M, K]: word w of column m holds k = w*per_word + j
+        z = unpack_bits(qzeros, bits)[:, :m].t().float() + 1.0  # [M, K/g], the stored zero - 1 convention
         perm = None
         if g_idx is not None:
             if not isinstance(g_idx, torch.Tensor) or g_idx.shape != (k,):

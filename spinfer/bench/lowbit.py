@@ -1,0 +1,142 @@
+"""Weight-only low-bit kernels against cuBLAS fp16 and torch's int4 kernel, same process.
+
+For each (M, K), N and configuration (bits, group): median time with the L2 flushed before
+every call of cuBLAS fp16 (F.linear on the dense weight), spinfer.lowbit_mm (the dispatch:
+fused kernel for N <= FUSED_MAX_N, dequantize + cuBLAS above) and, for 4-bit g128, torch's
+``aten._weight_int4pack_mm`` (tinygemm; bf16 activations, which is what it accepts on CUDA).
+Reports ratios to cuBLAS and the fused kernel's bandwidth (packed weight + scales + zeros + x +
+y bytes over time) against the measured copy bandwidth.
+
+    spinfer bench lowbit [--quick] [--csv out.csv]     (or python benchmarks/bench_lowbit.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import spinfer
+from spinfer.quant import LowBitWeight
+from spinfer.timing import copy_bandwidth, median_time
+
+SHAPES = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]
+NS = [1, 8, 16, 32, 64, 128, 256]
+CONFIGS = [(4, 128), (8, 128), (2, 64), (4, 32), (1, 128)]
+QUICK_NS = [1, 8, 16, 32]
+QUICK_CONFIGS = [(4, 128), (8, 128), (2, 64)]
+# Issue 4's targets: (bits, group) -> {N: minimum geomean ratio to cuBLAS}
+TARGETS = {
+    (4, 128): {1: 3.3, 8: 3.0, 16: 2.8, 32: 2.0},
+    (8, 128): {1: 1.8, 8: 1.7, 16: 1.7},
+    (2, 64): {1: 5.0},
+}
+
+
+def torch_int4(x_bf16, m, k, gen):
+    """A callable running torch's int4 kernel (g128) on random packed data, or None where this
+    torch build lacks it."""
+    try:
+        packed = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, device=x_bf16.device, generator=gen)
+        w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        sz = (torch.rand(k // 128, m, 2, device=x_bf16.device, generator=gen) * 0.01).to(torch.bfloat16)
+        fn = lambda: torch.ops.aten._weight_int4pack_mm(x_bf16, w, 128, sz)  # noqa: E731
+        fn()
+        return fn
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        print(f"  torch int4 kernel unavailable: {str(exc).splitlines()[0]}", flush=True)
+        return None
+
+
+def print_summary(rows) -> None:
+    print("\nsummary: geomean of x cuBLAS fp16 over " + ", ".join(f"{m}x{k}" for m, k in SHAPES))
+    for (bits, group), targets in TARGETS.items():
+        for n in sorted({r["N"] for r in rows}):
+            sel = [r for r in rows if (r["bits"], r["group"]) == (bits, group) and r["N"] == n]
+            if len(sel) < len(SHAPES):
+                continue
+            gm = math.exp(sum(math.log(r["speedup"]) for r in sel) / len(sel))
+            t = targets.get(n)
+            verdict = "" if t is None else f"  target >= {t:.1f}x: {'met' if gm >= t else 'MISSED'}"
+            bw = sum(r["pct_copy"] for r in sel) / len(sel)
+            print(f"  {bits}-bit g{group:<4} N={n:<4} geomean {gm:5.2f}x  (min {min(r['speedup'] for r in sel):.2f}x, "
+                  f"mean bandwidth {bw:.0f}% of copy){verdict}")
+    sel = [r for r in rows if r["int4_speedup"] is not None]
+    for n in sorted({r["N"] for r in sel}):
+        s = [r["int4_speedup"] for r in sel if r["N"] == n]
+        if len(s) == len(SHAPES):
+            print(f"  torch int4 g128 (bf16) N={n:<4} geomean {math.exp(sum(map(math.log, s)) / len(s)):5.2f}x")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="spinfer bench lowbit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="N<=32; 4-bit g128, 8-bit g128, 2-bit g64")
+    p.add_argument("--shapes", default=None, help="e.g. 28672x8192,4096x4096")
+    p.add_argument("--ns", default=None, help="e.g. 1,8,16")
+    p.add_argument("--configs", default=None, help="bits:group pairs, e.g. 4:128,2:64")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--csv", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_lowbit: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
+    ns = [int(v) for v in a.ns.split(",")] if a.ns else (QUICK_NS if a.quick else NS)
+    configs = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")] if a.configs else (
+        QUICK_CONFIGS if a.quick else CONFIGS)
+
+    spinfer.build.load_extension()
+    bw = copy_bandwidth(dev)
+    name = torch.cuda.get_device_name(dev)
+    print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); fp16; "
+          f"L2 flushed before every call; median of {a.reps}; fused kernel for N <= "
+          f"{spinfer.ops.lowbit_mm.FUSED_MAX_N}")
+    print(f"{'M':>6} {'K':>6} {'N':>4} {'bits':>4} {'group':>5} {'cuBLAS us':>10} {'lowbit us':>9} {'x cuBLAS':>8} "
+          f"{'GB/s':>6} {'% copy':>6} {'int4 us':>8} {'x cuBLAS':>8}")
+    rows = []
+    for m, k in shapes:
+        gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
+        dense = torch.randn(m, k, device=dev, generator=gen).half()
+        for bits, group in configs:
+            q = LowBitWeight.quantize(dense, bits, group)
+            wq = q.dequantize()
+            wbytes = q.storage_bytes().total
+            for n in ns:
+                x = torch.randn(n, k, device=dev, generator=gen).half()
+                y = spinfer.lowbit_mm(x, q)
+                ref = F.linear(x, wq)
+                err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                t_dense = median_time(lambda: F.linear(x, dense), dev, reps=a.reps)
+                t_q = median_time(lambda: spinfer.lowbit_mm(x, q), dev, reps=a.reps)
+                t_i4 = None
+                if (bits, group) == (4, 128):
+                    fn = torch_int4(x.bfloat16(), m, k, gen)
+                    t_i4 = median_time(fn, dev, reps=a.reps) if fn else None
+                moved = wbytes + 2 * n * k + 2 * n * m
+                r = dict(M=m, K=k, N=n, bits=bits, group=group, cublas_us=t_dense * 1e6, lowbit_us=t_q * 1e6,
+                         speedup=t_dense / t_q, gbps=moved / t_q / 1e9, pct_copy=100 * moved / t_q / bw,
+                         int4_us=None if t_i4 is None else t_i4 * 1e6,
+                         int4_speedup=None if t_i4 is None else t_dense / t_i4, rel_err_vs_dequant=err, device=name)
+                rows.append(r)
+                i4 = f"{r['int4_us']:>8.1f} {r['int4_speedup']:>8.2f}" if t_i4 else f"{'-':>8} {'-':>8}"
+                print(f"{m:>6} {k:>6} {n:>4} {bits:>4} {group:>5} {r['cublas_us']:>10.1f} {r['lowbit_us']:>9.1f} "
+                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {i4}", flush=True)
+                if err > 2e-3:  # a fast wrong answer is not a result: say so on the row
+                    print(f"  WARNING: lowbit_mm differs from the dequantized reference by {err:.2e}", flush=True)
+    print_summary(rows)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+// Planning and dispatch of the fused low-bit kernel: tile width by N, split-K by occupancy.
+#include <algorithm>
+#include <cstdlib>
+
+#include "lowbit_mm.cuh"
+
+namespace spinfer {
+namespace lowbit {
+SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, false)
+SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, true)
+
+namespace {
+
+template <bool kBF16>
+int blocks_per_sm_for(int bits, int bn, int ng) {
+  switch (bits) {
+    case 1: return blocks_per_sm<kBF16, 1>(bn, ng);
+    case 2: return blocks_per_sm<kBF16, 2>(bn, ng);
+    case 4: return blocks_per_sm<kBF16, 4>(bn, ng);
+    default: return blocks_per_sm<kBF16, 8>(bn, ng);
+  }
+}
+
+template <bool kBF16>
+cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s) {
+  switch (a.bits) {
+    case 1: return launch<kBF16, 1>(a, p, s);
+    case 2: return launch<kBF16, 2>(a, p, s);
+    case 4: return launch<kBF16, 4>(a, p, s);
+    default: return launch<kBF16, 8>(a, p, s);
+  }
+}
+
+// Split-K factor. The kernel streams each weight byte once, so it is fast when every block is
+// resident in one wave (no tail wave) and enough loads are in flight to cover HBM latency:
+// take the most splits whose blocks still fit in one wave, keeping at least 4 iterations per
+// split so the pipeline prologue and the partial-tile reduction stay small.
+int choose_splits(int base_blocks, int slots, int total_iters) {
+  constexpr int kMinItersPerSplit = 4;
+  const int by_wave = std::max(1, slots / std::max(1, base_blocks));
+  const int by_length = std::max(1, total_iters / kMinItersPerSplit);
+  return std::max(1, std::min(by_wave, by_length));
+}
+
+}  // namespace
+}  // namespace lowbit
+
+LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16) {
+  using namespace lowbit;
+  LowbitPlan p{};
+  p.bn = n <= 8 ? 8 : n <= 16 ? 16 : 32;
+  p.n_tiles = (n + p.bn - 1) / p.bn;
+  p.row_blocks = (m + kBlockRows - 1) / kBlockRows;
+  p.chunks = kp / kChunk;
+  // Groups of 32 and 64 split a 128-column chunk; every other size (128, 256, per-channel K)
+  // gives one group per chunk.
+  p.ng = group_size == 32 ? 4 : group_size == 64 ? 2 : 1;
+  p.blocks_per_sm = bf16 ? blocks_per_sm_for<true>(bits, p.bn, p.ng) : blocks_per_sm_for<false>(bits, p.bn, p.ng);
+  int sms = 1;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int u = bits == 8 ? 1 : bits == 4 || p.ng == 4 ? 2 : 4;  // chunks_per_iter<bits, ng>()
+  const int total_iters = (p.chunks + u - 1) / u;
+  int splits = choose_splits(p.row_blocks * p.n_tiles, sms * p.blocks_per_sm, total_iters);
+  if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) {
+    const int forced = std::atoi(env);
+    if (forced > 0) splits = std::min(forced, total_iters);
+  }
+  const int per_split = (total_iters + splits - 1) / splits;
+  p.splits = (total_iters + per_split - 1) / per_split;  // no empty splits
+  if (p.splits > 1) {
+    p.counters = p.n_tiles * p.row_blocks;
+    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kBlockRows;
+  }
+  return p;
+}
+
+cudaError_t lowbit_mm_run(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t stream) {
+  return a.bf16 ? lowbit::launch_for<true>(a, p, stream) : lowbit::launch_for<false>(a, p, stream);
+}
+
+}  // namespace spinfer

@@ -1,0 +1,45 @@
+// Host interface of the fused weight-only low-bit kernel: y[N, M] = x[N, K] @ W[M, K]^T (+ bias)
+// with W = (q - zero) * scale, q packed at 1, 2, 4 or 8 bits (spinfer/quant/lowbit.py layout).
+// Plain CUDA types only, so this compiles without torch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace spinfer {
+
+struct LowbitArgs {
+  const void* x;           // [n, kp] fp16/bf16 row-major, 16-byte aligned, zero past K
+  const uint32_t* qweight; // [m, kp * bits / 32], fragment order inside each 128-column chunk
+  const void* scales;      // [m, groups] in x's dtype
+  const void* zeros;       // [m, groups]
+  const void* bias;        // [m] or nullptr
+  void* y;                 // [n, m]
+  float* workspace;        // split-K partial tiles (plan.workspace_floats), or nullptr
+  int32_t* counters;       // split-K arrival counters (plan.counters), zero on entry
+  int m, n, kp;
+  int group_size;          // columns per group (K itself when per-channel)
+  int groups;              // K / group_size
+  int bits;
+  bool bf16;
+};
+
+struct LowbitPlan {
+  int bn;          // tokens per block tile: 8, 16 or 32
+  int n_tiles;     // ceil(n / bn)
+  int row_blocks;  // ceil(m / 64)
+  int chunks;      // kp / 128
+  int splits;      // split-K factor (1: no reduction)
+  int chunks_per_split;
+  int ng;          // scale groups per 128-column chunk: 1 (group >= 128), 2 (64) or 4 (32)
+  int blocks_per_sm;  // resident blocks of this variant (occupancy API)
+  int64_t workspace_floats;
+  int counters;
+};
+
+// SPINFER_LOWBIT_SPLITS overrides the split-K choice (A/B runs and tests).
+LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16);
+
+cudaError_t lowbit_mm_run(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream);
+
+}  // namespace spinfer

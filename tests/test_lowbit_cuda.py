@@ -1,0 +1,148 @@
+"""The fused low-bit kernel (spinfer::lowbit_mm_out) and the CUDA dispatch of lowbit_mm against
+the exact dequantized reference in float64: every width, group size and N, odd shapes, split-K,
+act-order, HQQ fractional zeros, bias, NaN-poisoned outputs, CUDA graphs and torch.compile.
+Skipped without a GPU."""
+
+import pytest
+import torch
+
+import spinfer
+from spinfer.ops.lowbit_mm import FUSED_MAX_N
+from spinfer.quant import LowBitWeight
+from tests.conftest import rel_err
+from tests.test_lowbit import random_gptq
+
+pytestmark = pytest.mark.cuda
+
+BITS = [1, 2, 4, 8]
+# (K, group): groups that divide K; 1152 and 1280 make the chunk count odd / not a multiple of
+# the kernel's chunks per iteration; 1000 (per-channel) is not a multiple of 128.
+GEOMETRIES = [(1152, 32), (1280, 64), (1152, 128), (1280, 256), (1000, None)]
+NS = [1, 3, 8, 16, 64, 300]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def fused(x, q, bias=None):
+    """The fused kernel at any N, into a NaN-poisoned output: every element must be written."""
+    out = torch.full((x.shape[0], q.shape[0]), float("nan"), device=x.device, dtype=x.dtype)
+    spinfer.lowbit_mm(x, q, bias, out=out)
+    assert not bool(out.isnan().any()), "the kernel left elements unwritten"
+    return out
+
+
+def reference(x, q, bias=None):
+    y = x.double() @ q.dequantize().double().t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"K{g[0]}-g{g[1]}")
+@pytest.mark.parametrize("bits", BITS)
+def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype):
+    k, group = geometry
+    m = 333  # not a multiple of the 64-row block nor of 16
+    q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
+    for n in NS:
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        ref = reference(x, q)
+        assert rel_err(fused(x, q), ref) <= TOL[dtype], f"N={n}"
+        assert rel_err(spinfer.lowbit_mm(x, q), ref) <= TOL[dtype], f"N={n} (dispatch)"
+
+
+@pytest.mark.parametrize("splits", ["1", "2", "7"])
+def test_forced_split_k_and_large_m(splits, monkeypatch):
+    monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
+    q = LowBitWeight.quantize(torch.randn(4097, 2048, device="cuda").half(), 4, 128)
+    b = torch.randn(4097, device="cuda").half()
+    for n in (1, 16, 33):
+        x = torch.randn(n, 2048, device="cuda").half()
+        assert rel_err(fused(x, q, b), reference(x, q, b)) <= 2e-3
+
+
+def test_values_that_exercise_every_bit():
+    # bf16 8-bit converts q >= 128 separately; constant and extreme groups; q spans 0..2^bits-1
+    for bits in BITS:
+        levels = (1 << bits) - 1
+        qv = torch.randint(0, levels + 1, (128, 512), device="cuda")
+        qv[0] = levels  # a row at the top code
+        qv[1] = 0
+        scale = torch.rand(128, 4, device="cuda") * 0.1 + 0.01
+        zero = torch.randint(0, levels + 1, (128, 4), device="cuda").float()
+        for dt in (torch.float16, torch.bfloat16):
+            q = LowBitWeight.from_hqq(qv, scale.to(dt), zero.to(dt), bits, 128, (128, 512))
+            x = torch.randn(5, 512, device="cuda").to(dt)
+            assert rel_err(fused(x, q), reference(x, q)) <= TOL[dt], (bits, dt)
+
+
+def test_hqq_fractional_zeros():
+    w_q = torch.randint(0, 16, (96, 256), device="cuda")
+    scale = (torch.rand(96, 4, device="cuda") * 0.02 + 0.001).half()
+    zero = (torch.rand(96, 4, device="cuda") * 15).half()  # fractional, as HQQ produces
+    q = LowBitWeight.from_hqq(w_q, scale, zero, 4, 64, (96, 256))
+    x = torch.randn(7, 256, device="cuda").half()
+    assert rel_err(fused(x, q), reference(x, q)) <= 2e-3
+
+
+def test_gptq_act_order_on_cuda():
+    qweight, scales, qzeros, g_idx, w_ref = random_gptq(512, 72, 4, 128, True)
+    q = LowBitWeight.from_gptq(qweight, scales, qzeros, bits=4, group_size=128, g_idx=g_idx).to("cuda")
+    x = torch.randn(9, 512, device="cuda").half()
+    ref = x.double() @ w_ref.double().t().cuda()
+    assert rel_err(fused(x, q), ref) <= 2e-3
+    assert rel_err(spinfer.lowbit_mm(x, q), ref) <= 2e-3
+
+
+def test_batch_dims_views_and_empty():
+    q = LowBitWeight.quantize(torch.randn(40, 384, device="cuda").half(), 4, 128)
+    x = torch.randn(2, 3, 384, device="cuda").half()
+    assert spinfer.lowbit_mm(x, q).shape == (2, 3, 40)
+    assert rel_err(spinfer.lowbit_mm(x, q), reference(x.reshape(6, 384), q).reshape(2, 3, 40)) <= 2e-3
+    xt = torch.randn(384, 5, device="cuda").half().t()  # non-contiguous
+    assert rel_err(spinfer.lowbit_mm(xt, q), reference(xt, q)) <= 2e-3
+    xo = torch.randn(1, 385, device="cuda").half()[:, 1:]  # misaligned storage offset
+    assert rel_err(spinfer.lowbit_mm(xo, q), reference(xo, q)) <= 2e-3
+    assert spinfer.lowbit_mm(torch.randn(0, 384, device="cuda").half(), q).shape == (0, 40)
+
+
+def test_dispatch_uses_cublas_above_the_crossover():
+    q = LowBitWeight.quantize(torch.randn(64, 256, device="cuda").half(), 4, 64)
+    x = torch.randn(FUSED_MAX_N + 1, 256, device="cuda").half()
+    assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3
+
+
+def test_cuda_graph_capture():
+    q = LowBitWeight.quantize(torch.randn(500, 1024, device="cuda").half(), 4, 128)
+    b = torch.randn(500, device="cuda").half()
+    x = torch.randn(4, 1024, device="cuda").half()
+    spinfer.lowbit_mm(x, q, b)  # warm up (and build) outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = spinfer.lowbit_mm(x, q, b)
+    for _ in range(2):
+        x.copy_(torch.randn(4, 1024, device="cuda").half())
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, reference(x, q, b)) <= 2e-3
+
+
+def test_torch_compile_fullgraph():
+    q = LowBitWeight.quantize(torch.randn(256, 512, device="cuda").half(), 2, 64)
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.relu(spinfer.lowbit_mm(x, q)) + 1
+
+    x = torch.randn(3, 512, device="cuda").half()
+    assert rel_err(f(x), torch.relu(reference(x, q)) + 1) <= 2e-3
+
+
+def test_bad_input_is_rejected_before_launch():
+    q = LowBitWeight.quantize(torch.randn(64, 256, device="cuda").half(), 4, 128)
+    with pytest.raises(TypeError, match="bfloat16|float16"):
+        spinfer.lowbit_mm(torch.randn(2, 256, device="cuda").bfloat16(), q)
+    with pytest.raises(ValueError, match="256"):
+        spinfer.lowbit_mm(torch.randn(2, 255, device="cuda").half(), q)
+    with pytest.raises(ValueError, match="out must be"):
+        spinfer.lowbit_mm(torch.randn(2, 256, device="cuda").half(), q, out=torch.empty(3, 64, device="cuda").half())
+    with pytest.raises(ValueError, match="cpu|cuda"):
+        spinfer.lowbit_mm(torch.randn(2, 256).half(), q)

@@ -193,7 +193,7 @@ def test_state_dict_repr_storage_and_empty_batch():
 def test_op_registration_and_compile():
     q = LowBitWeight.quantize(torch.randn(40, 256).half(), 4, 64)
     x = torch.randn(3, 256).half()
-    args = (x, q.qweight, q.scales, q.zeros, 4, 64, 40, 256, None, None)
+    args = (x, q.qweight, q.scale_zero, 4, 64, 40, 256, None, None)
     torch.library.opcheck(torch.ops.spinfer.lowbit_mm.default, args, test_utils=("test_schema", "test_faketensor"))
 
     @torch.compile(fullgraph=True, backend="aot_eager")
@@ -221,7 +221,7 @@ def test_out_variant_on_cpu_writes_the_reference():
     out = torch.full((3, 40), float("nan")).half()
     assert spinfer.lowbit_mm(x, q, out=out) is not None
     assert rel_err(out, x.double() @ q.dequantize().double().t()) <= 2e-3
-    args = (x, q.qweight, q.scales, q.zeros, 4, 64, 40, 256, None, None)
+    args = (x, q.qweight, q.scale_zero, 4, 64, 40, 256, None, None)
     torch.library.opcheck(torch.ops.spinfer.lowbit_mm_out.default, args, {"out": torch.empty(3, 40).half()},
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="out must be"):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import spinfer
+from spinfer.ops.lowbit_mm import FUSED_MAX_N
 from spinfer.quant import LowBitWeight
 from spinfer.timing import copy_bandwidth, median_time
 
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev)
     print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); fp16; "
           f"L2 flushed before every call; median of {a.reps}; fused kernel for N <= "
-          f"{spinfer.ops.lowbit_mm.FUSED_MAX_N}")
+          f"{FUSED_MAX_N}")
     print(f"{'M':>6} {'K':>6} {'N':>4} {'bits':>4} {'group':>5} {'cuBLAS us':>10} {'lowbit us':>9} {'x cuBLAS':>8} "
           f"{'GB/s':>6} {'% copy':>6} {'int4 us':>8} {'x cuBLAS':>8}")
     rows = []

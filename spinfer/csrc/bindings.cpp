@@ -131,8 +131,8 @@ void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tens
 
 // ---- lowbit_mm_out: the fused low-bit kernel. The Python layer (LowBitWeight and
 // check_op_inputs) has already checked everything below; these checks guard direct calls.
-void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor& zeros, int64_t bits, int64_t group_size, int64_t m, int64_t k,
+void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero,
+                        int64_t bits, int64_t group_size, int64_t m, int64_t k,
                         const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::lowbit_mm_out (CUDA) got x on ", x.device());
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
@@ -145,13 +145,12 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK_TYPE(qweight.scalar_type() == at::kInt, "qweight must be int32");
   TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.size(0) == m && qweight.size(1) == kp * bits / 32,
                     "qweight must be [", m, ", ", kp * bits / 32, "], got ", qweight.sizes());
-  for (const at::Tensor* t : {&scales, &zeros}) {
-    TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), "scales/zeros are ", t->scalar_type(), " but x is ",
-                     x.scalar_type());
-    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == m && t->size(1) == groups, "scales/zeros must be [", m, ", ",
-                      groups, "], got ", t->sizes());
-  }
-  for (const at::Tensor* t : {&qweight, &scales, &zeros, const_cast<const at::Tensor*>(&out)})
+  TORCH_CHECK_TYPE(scale_zero.scalar_type() == x.scalar_type(), "scale_zero is ", scale_zero.scalar_type(),
+                   " but x is ", x.scalar_type());
+  TORCH_CHECK_VALUE(scale_zero.dim() == 3 && scale_zero.size(0) == m && scale_zero.size(1) == groups &&
+                        scale_zero.size(2) == 2,
+                    "scale_zero must be [", m, ", ", groups, ", 2], got ", scale_zero.sizes());
+  for (const at::Tensor* t : {&qweight, &scale_zero, const_cast<const at::Tensor*>(&out)})
     TORCH_CHECK_VALUE(t->device() == x.device(), "x is on ", x.device(), " but an array is on ", t->device());
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
                     "out must be a contiguous [", x.size(0), ", ", m, "] tensor, got ", out.sizes());
@@ -177,7 +176,7 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
     xg = x.index_select(1, *perm);
   }
   xg = kp == k ? aligned16(xg) : at::constant_pad_nd(xg, {0, kp - k}, 0).contiguous();
-  const at::Tensor qw = aligned16(qweight), sc = scales.contiguous(), ze = zeros.contiguous();
+  const at::Tensor qw = aligned16(qweight), sz = aligned16(scale_zero);
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const LowbitPlan plan = lowbit_mm_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(kp),
@@ -190,8 +189,7 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   LowbitArgs a{};
   a.x = xg.data_ptr();
   a.qweight = reinterpret_cast<const uint32_t*>(qw.data_ptr<int32_t>());
-  a.scales = sc.data_ptr();
-  a.zeros = ze.data_ptr();
+  a.scale_zero = sz.data_ptr();
   a.bias = bias ? b.data_ptr() : nullptr;
   a.y = out.data_ptr();
   a.workspace = plan.splits > 1 ? workspace.data_ptr<float>() : nullptr;

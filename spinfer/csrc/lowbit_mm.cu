@@ -1,6 +1,9 @@
 // Planning and dispatch of the fused low-bit kernel: tile width by N, split-K by occupancy.
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "lowbit_mm.cuh"
 
@@ -12,13 +15,27 @@ SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, true)
 namespace {
 
 template <bool kBF16>
-int blocks_per_sm_for(int bits, int bn, int ng) {
+int query_blocks_per_sm(int bits, int bn, int ng) {
   switch (bits) {
     case 1: return blocks_per_sm<kBF16, 1>(bn, ng);
     case 2: return blocks_per_sm<kBF16, 2>(bn, ng);
     case 4: return blocks_per_sm<kBF16, 4>(bn, ng);
     default: return blocks_per_sm<kBF16, 8>(bn, ng);
   }
+}
+
+// Resident blocks per SM of a kernel variant on a device: an occupancy query costs
+// microseconds, so it is asked once.
+int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, bool, int, int, int>, int> cache;
+  const auto key = std::make_tuple(device, bf16, bits, bn, ng);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const int blocks = bf16 ? query_blocks_per_sm<true>(bits, bn, ng) : query_blocks_per_sm<false>(bits, bn, ng);
+  cache.emplace(key, blocks);
+  return blocks;
 }
 
 template <bool kBF16>
@@ -55,10 +72,10 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   // Groups of 32 and 64 split a 128-column chunk; every other size (128, 256, per-channel K)
   // gives one group per chunk.
   p.ng = group_size == 32 ? 4 : group_size == 64 ? 2 : 1;
-  p.blocks_per_sm = bf16 ? blocks_per_sm_for<true>(bits, p.bn, p.ng) : blocks_per_sm_for<false>(bits, p.bn, p.ng);
+  p.blocks_per_sm = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng);
   int sms = 1;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int u = bits == 8 ? 1 : bits == 4 || p.ng == 4 ? 2 : 4;  // chunks_per_iter<bits, ng>()
+  const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
   int splits = choose_splits(p.row_blocks * p.n_tiles, sms * p.blocks_per_sm, total_iters);
   if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) {

@@ -4,23 +4,26 @@
 // Read top to bottom:
 //  * One block of 4 warps owns 64 output rows and a tile of BN tokens; warp w owns rows
 //    16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a split-K share).
+//  * A 4-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
+//    rows, their (scale, zero) pairs and the matching activation slice to shared memory, so 3
+//    stages of weight bytes are always in flight: the kernel streams each weight byte once and
+//    is fast only if HBM never waits on it.
 //  * The packed format puts, inside every 128-column chunk of a row, lane t's values for the
 //    8 k16 tiles of the chunk into `bits` consecutive words (spinfer/quant/lowbit.py,
-//    `fragment_order`): a lane fetches its whole share of a row with one 4..32-byte load, the
-//    4 lanes of a row read one contiguous 16..128-byte span, and no shuffle is needed.
+//    `fragment_order`): a lane reads its share of a row with one 4..32-byte shared load and
+//    needs no shuffle.
 //  * In a word of V = 32/bits values, value s and value s + V/2 sit 16 bits apart, so one
 //    LOP3 turns them into a half2 (1024 + q for fp16, 128 + q for bf16: the "magic number"
 //    conversion), one HSUB2 makes it exactly q, one HFMA2 applies (q - zero) * scale as
 //    q * scale + (-zero * scale).
-//  * Weights are read once, straight into registers, one iteration ahead. Activations go
-//    through a 3-stage shared-memory ring (cp.async, zero-filled past N) shared by the 4 warps;
-//    each lane reads its B fragment for a tile with one 8-byte load.
 //  * fp32 accumulation; the shared epilogue (epilogue.cuh) adds bias and casts or reduces
 //    split-K partials deterministically.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <atomic>
 
 #include "epilogue.cuh"
 #include "lowbit_mm.h"
@@ -33,25 +36,40 @@ constexpr int kChunk = 128;   // K columns per chunk: 8 k16 tiles
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBlockRows = 16 * kWarps;
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 
-// Chunks per main-loop iteration: 16 words per lane per iteration at 8, 4 and 2 bits (2 KB
-// per warp in flight), capped at 512 columns so the activation stages stay small, and at 256
-// columns for groups of 32, whose scales would otherwise spill registers.
-template <int BITS, int NG>
-constexpr int chunks_per_iter() {
-  return BITS == 8 ? 1 : BITS == 4 || NG == 4 ? 2 : 4;
+// Chunks per stage: 256 columns (128 at 8 bits) keep a stage's weights at 4..8 KB per block.
+template <int BITS>
+constexpr int chunks_per_stage() {
+  return BITS == 8 ? 1 : 2;
 }
 
-// Shared memory: kStages activation slices [BN][stride], stride = columns + 16 halves. The
-// pad makes row g's 8-byte B-fragment loads start 32 bytes after row g-1's (mod 128), so the
-// 16 lanes of a half-warp (4 rows x 4 lanes) cover all 32 banks once.
+// Bytes between packed weight rows in shared memory: a row's stage bytes plus a pad that makes
+// the lanes of one shared-load phase hit distinct banks. A lane reads `BITS` words at byte
+// 4*BITS*t of its row's chunk; per phase: 8-bit, 2 x 16 B loads, rows g, g+1 (pad 16);
+// 4-bit, 16 B, rows g, g+1 (row stride = 64 mod 128); 2-bit, 8 B, rows g..g+3 (32 mod 128);
+// 1-bit, 4 B, 8 rows (16 mod 128).
+template <int BITS>
+constexpr int weight_stride() {
+  constexpr int bytes = chunks_per_stage<BITS>() * kChunk * BITS / 8;
+  return bytes + (BITS == 8 ? 16 : BITS == 4 ? 64 : BITS == 2 ? 32 : 16);
+}
+
+// One stage: [64 weight rows][weight_stride] [64 rows][U*NG (scale, zero) pairs] [BN][x stride].
+// The x stride is columns + 16 halves: row g's 8-byte B-fragment loads start 32 bytes after
+// row g-1's (mod 128), so a half-warp (4 rows x 4 lanes) covers all 32 banks once.
 template <int BITS, int BN, int NG>
 struct Layout {
-  static constexpr int kCols = chunks_per_iter<BITS, NG>() * kChunk;
-  static constexpr int kStride = kCols + 16;
-  static constexpr int kStageBytes = BN * kStride * 2;
+  static constexpr int U = chunks_per_stage<BITS>();
+  static constexpr int kCols = U * kChunk;
+  static constexpr int kWStride = weight_stride<BITS>();
+  static constexpr int kPairs = U * NG;  // (scale, zero) pairs per row per stage
+  static constexpr int kSzOffset = kBlockRows * kWStride;
+  static constexpr int kXOffset = kSzOffset + (kBlockRows * kPairs * 4 + 15) / 16 * 16;
+  static constexpr int kXStride = kCols + 16;
+  static constexpr int kStageBytes = kXOffset + BN * kXStride * 2;
   static constexpr int kSmemBytes = kStages * kStageBytes;
+  static_assert(kWStride % 16 == 0 && kXOffset % 16 == 0 && kStageBytes % 16 == 0, "16-byte alignment");
 };
 
 template <bool kBF16>
@@ -122,38 +140,29 @@ __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s) {
   }
 }
 
-// One lane's share of an iteration: for each chunk, `BITS` words of row g and of row g+8,
-// and the raw (scale | zero << 16) of each of the chunk's NG groups for both rows.
-template <int BITS, int NG>
-struct Frag {
-  static constexpr int U = chunks_per_iter<BITS, NG>();
-  uint32_t w[U][2][BITS];
-  uint32_t sz[U][NG][2];
-};
-
 template <int BITS>
-__device__ __forceinline__ void load_words(uint32_t (&dst)[BITS], const uint32_t* src) {
-  if constexpr (BITS == 8) {
-    const uint4 a = ptx::ldg_stream_v4(src), b = ptx::ldg_stream_v4(src + 4);
-    dst[0] = a.x, dst[1] = a.y, dst[2] = a.z, dst[3] = a.w, dst[4] = b.x, dst[5] = b.y, dst[6] = b.z, dst[7] = b.w;
-  } else if constexpr (BITS == 4) {
-    const uint4 a = ptx::ldg_stream_v4(src);
-    dst[0] = a.x, dst[1] = a.y, dst[2] = a.z, dst[3] = a.w;
+__device__ __forceinline__ void load_words(uint32_t (&dst)[BITS], const unsigned char* src) {
+  if constexpr (BITS >= 4) {
+#pragma unroll
+    for (int i = 0; i < BITS; i += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src + 4 * i);
+      dst[i] = v.x, dst[i + 1] = v.y, dst[i + 2] = v.z, dst[i + 3] = v.w;
+    }
   } else if constexpr (BITS == 2) {
-    const uint2 a = ptx::ldg_stream_v2(src);
-    dst[0] = a.x, dst[1] = a.y;
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    dst[0] = v.x, dst[1] = v.y;
   } else {
-    dst[0] = ptx::ldg_stream_u32(src);
+    dst[0] = *reinterpret_cast<const uint32_t*>(src);
   }
 }
 
 template <bool kBF16, int BITS, int BN, int NG>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads)
     lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int iters_per_split, const int splits) {
   using L = Layout<BITS, BN, NG>;
-  using F = Frag<BITS, NG>;
-  constexpr int U = F::U;
+  constexpr int U = L::U;
   constexpr int kTilesPerWord = 8 / BITS;  // k16 tiles whose values one word holds (8-bit: 1)
+  constexpr int kRowBytes = U * kChunk * BITS / 8;  // a weight row's bytes per stage
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_is_last;
 
@@ -165,55 +174,41 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int total_iters = (chunks + U - 1) / U;
   const int it_begin = split * iters_per_split;
   const int iters = max(0, min(total_iters, it_begin + iters_per_split) - it_begin);
-  const int words_per_row = args.kp / 32 * BITS;
+  const int64_t row_bytes = static_cast<int64_t>(args.kp) / 8 * BITS;
 
-  // This lane's rows; rows past M read nothing and dequantize to 0 (scale 0, zero 0).
-  int row[2];
-  bool row_ok[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row[h] = m_base + warp * 16 + g + 8 * h;
-    row_ok[h] = row[h] < args.m;
-  }
-  const uint16_t* scales = static_cast<const uint16_t*>(args.scales);
-  const uint16_t* zeros = static_cast<const uint16_t*>(args.zeros);
-
-  auto load_frag = [&](F& f, int it) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = (it_begin + it) * U + u;
-      const bool ok_c = c < chunks;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const bool ok = ok_c && row_ok[h];
-        if (ok) {
-          load_words<BITS>(f.w[u][h], args.qweight + static_cast<int64_t>(row[h]) * words_per_row +
-                                          (c * 4 + t) * BITS);
-        } else {
-#pragma unroll
-          for (int i = 0; i < BITS; ++i) f.w[u][h][i] = 0u;
-        }
-#pragma unroll
-        for (int j = 0; j < NG; ++j) {
-          // Group of the chunk's tiles j*8/NG .. : for per-channel groups (size K) this is 0.
-          const int grp = min((c * kChunk + j * (kChunk / NG)) / args.group_size, args.groups - 1);
-          const int64_t at = static_cast<int64_t>(row[h]) * args.groups + grp;
-          f.sz[u][j][h] = ok ? (uint32_t(__ldg(scales + at)) | (uint32_t(__ldg(zeros + at)) << 16)) : 0u;
-        }
-      }
-    }
-  };
-
-  auto issue_x = [&](int stage, int it) {  // all threads: 16-byte cp.async, zero past N and K
+  // All threads: 16-byte copies of weights and activations, 4-byte copies of (scale, zero)
+  // pairs. Rows past M, tokens past N and chunks past K are zero-filled: a zero scale makes
+  // the padded weights exactly 0.
+  auto issue = [&](int stage, int it) {
     unsigned char* st = smem + stage * L::kStageBytes;
-    const int k0 = (it_begin + it) * U * kChunk;
-    constexpr int kPieces = L::kCols / 8;
-    for (int p = tid; p < BN * kPieces; p += kThreads) {
-      const int r = p / kPieces, col = (p % kPieces) * 8;
+    const int c0 = (it_begin + it) * U;  // first chunk of the stage
+    constexpr int kWPieces = kRowBytes / 16;
+    for (int p = tid; p < kBlockRows * kWPieces; p += kThreads) {
+      const int r = p / kWPieces, piece = p % kWPieces;
+      const int row = m_base + r;
+      const bool ok = row < args.m && c0 * kChunk + piece * 16 * 8 / BITS < args.kp;
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(args.qweight) +
+                                 (ok ? row * row_bytes + static_cast<int64_t>(c0) * kChunk / 8 * BITS + piece * 16 : 0);
+      ptx::cp_async_cg_16(st + r * L::kWStride + piece * 16, src, ok);
+    }
+    for (int p = tid; p < kBlockRows * L::kPairs; p += kThreads) {
+      const int r = p / L::kPairs, u = p % L::kPairs / NG, j = p % NG;
+      const int row = m_base + r;
+      // Group of the chunk's tiles j*8/NG ..; per-channel groups (size K) give 0.
+      const int grp = min(((c0 + u) * kChunk + j * (kChunk / NG)) / args.group_size, args.groups - 1);
+      const bool ok = row < args.m && c0 + u < chunks;
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(args.scale_zero) +
+                            (ok ? static_cast<int64_t>(row) * args.groups + grp : 0);
+      ptx::cp_async_ca_4(st + L::kSzOffset + p * 4, src, ok);
+    }
+    constexpr int kXPieces = L::kCols / 8;
+    const int k0 = c0 * kChunk;
+    for (int p = tid; p < BN * kXPieces; p += kThreads) {
+      const int r = p / kXPieces, col = (p % kXPieces) * 8;
       const bool ok = n0 + r < args.n && k0 + col < args.kp;
       const char* src =
           static_cast<const char*>(args.x) + (ok ? (static_cast<int64_t>(n0 + r) * args.kp + k0 + col) * 2 : 0);
-      ptx::cp_async_cg_16(st + (r * L::kStride + col) * 2, src, ok);
+      ptx::cp_async_cg_16(st + L::kXOffset + (r * L::kXStride + col) * 2, src, ok);
     }
   };
 
@@ -223,67 +218,68 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-  auto compute = [&](const F& f, int stage) {
-    const uint32_t xs = ptx::smem_addr(smem + stage * L::kStageBytes) + (g * L::kStride + 4 * t) * 2;
+  const int my_row = warp * 16 + g;  // and my_row + 8
+  auto compute = [&](int stage) {
+    const unsigned char* st = smem + stage * L::kStageBytes;
+    const uint32_t xs = ptx::smem_addr(st + L::kXOffset) + (g * L::kXStride + 4 * t) * 2;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      uint32_t w[2][BITS];
       uint32_t scale2[NG][2], nzs2[NG][2];  // half2 (s, s) and (-z*s, -z*s)
 #pragma unroll
-      for (int j = 0; j < NG; ++j)
+      for (int h = 0; h < 2; ++h) {
+        load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride + u * (kRowBytes / U) + 4 * BITS * t);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float s = Num<kBF16>::to_float(static_cast<uint16_t>(f.sz[u][j][h] & 0xffffu));
-          const float z = Num<kBF16>::to_float(static_cast<uint16_t>(f.sz[u][j][h] >> 16));
+        for (int j = 0; j < NG; ++j) {
+          const uint32_t sz =
+              *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
+          const float s = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
+          const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
           scale2[j][h] = Num<kBF16>::splat(s);
           nzs2[j][h] = Num<kBF16>::splat(-z * s);
         }
+      }
 #pragma unroll
       for (int tile = 0; tile < 8; ++tile) {
         const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord), j = tile / (8 / NG);
         uint32_t a[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          a[h] = Num<kBF16>::fma(unpack_pair<kBF16, BITS>(f.w[u][h][wi], s0), scale2[j][h], nzs2[j][h]);
-          a[h + 2] = Num<kBF16>::fma(unpack_pair<kBF16, BITS>(f.w[u][h][wi], s0 + 1), scale2[j][h], nzs2[j][h]);
+          a[h] = Num<kBF16>::fma(unpack_pair<kBF16, BITS>(w[h][wi], s0), scale2[j][h], nzs2[j][h]);
+          a[h + 2] = Num<kBF16>::fma(unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1), scale2[j][h], nzs2[j][h]);
         }
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
           uint32_t b0, b1;
           asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
                        : "=r"(b0), "=r"(b1)
-                       : "r"(xs + (nb * 8 * L::kStride + u * kChunk + 16 * tile) * 2));
+                       : "r"(xs + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2));
           ptx::mma_m16n8k16<kBF16>(acc[nb], a, b0, b1);
         }
       }
     }
   };
 
-  // Stage i is consumed while stage i+1 is in flight; weights come one iteration ahead.
-  // A group is committed every iteration (empty near the end) so wait_group's count stays
-  // uniform.
+  // Stage i is consumed while stages i+1 .. i+3 are in flight. A group is committed every
+  // iteration (empty near the end) so wait_group's count stays uniform.
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < iters) issue_x(st, st);
+    if (st < iters) issue(st, st);
     ptx::cp_async_commit_group();
   }
-  F cur, nxt;
-  if (iters > 0) load_frag(cur, 0);
   for (int i = 0; i < iters; ++i) {
-    if (i + 1 < iters) load_frag(nxt, i + 1);
     ptx::cp_async_wait_group<kStages - 2>();
     // Stage i is visible to all threads, and all threads are done with stage i-1, whose
     // buffer the prefetch below overwrites.
     __syncthreads();
     const int pf = i + kStages - 1;
-    if (pf < iters) issue_x(pf % kStages, pf);
+    if (pf < iters) issue(pf % kStages, pf);
     ptx::cp_async_commit_group();
-    compute(cur, i % kStages);
-    cur = nxt;
+    compute(i % kStages);
   }
   ptx::cp_async_wait_group<0>();
   const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-  store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, warp * 16 + g, n0, split, splits, acc, lane, tid,
-                                              &s_is_last);
+  store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, my_row, n0, split, splits, acc, lane, tid, &s_is_last);
 }
 
 // Host side of one (dtype, bits) pair: the BN and NG variants, instantiated in
@@ -293,14 +289,26 @@ struct Launcher {
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
     auto kernel = lowbit_mm_kernel<kBF16, BITS, BN, NG>;
     constexpr int kSmem = Layout<BITS, BN, NG>::kSmemBytes;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-    constexpr int U = chunks_per_iter<BITS, NG>();
+    if (cudaError_t err = allow_smem(); err != cudaSuccess) return err;
+    constexpr int U = chunks_per_stage<BITS>();
     const int total_iters = (plan.chunks + U - 1) / U;
     const int iters_per_split = (total_iters + plan.splits - 1) / plan.splits;
     const dim3 grid(plan.n_tiles, plan.row_blocks, plan.splits);
     kernel<<<grid, kThreads, kSmem, stream>>>(args, plan.chunks, iters_per_split, plan.splits);
     return cudaGetLastError();
+  }
+  // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).
+  static cudaError_t allow_smem() {
+    static std::atomic<uint64_t> done{0};
+    int device = 0;
+    cudaGetDevice(&device);
+    const uint64_t bit = uint64_t(1) << (device & 63);
+    if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
+    const cudaError_t err = cudaFuncSetAttribute(lowbit_mm_kernel<kBF16, BITS, BN, NG>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 Layout<BITS, BN, NG>::kSmemBytes);
+    if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+    return err;
   }
   static int blocks_per_sm() {
     auto kernel = lowbit_mm_kernel<kBF16, BITS, BN, NG>;

@@ -11,8 +11,7 @@ namespace spinfer {
 struct LowbitArgs {
   const void* x;           // [n, kp] fp16/bf16 row-major, 16-byte aligned, zero past K
   const uint32_t* qweight; // [m, kp * bits / 32], fragment order inside each 128-column chunk
-  const void* scales;      // [m, groups] in x's dtype
-  const void* zeros;       // [m, groups]
+  const void* scale_zero;  // [m, groups, 2] (scale, zero) pairs in x's dtype, 4-byte aligned
   const void* bias;        // [m] or nullptr
   void* y;                 // [n, m]
   float* workspace;        // split-K partial tiles (plan.workspace_floats), or nullptr

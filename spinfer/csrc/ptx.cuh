@@ -22,6 +22,15 @@ __device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_
                : "memory");
 }
 
+// 4-byte global->shared async copy through L1 (.ca: the only form for sizes below 16); zero
+// fill when `valid` is false, as above.
+__device__ __forceinline__ void cp_async_ca_4(void* smem_dst, const void* gmem_src, bool valid = true) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit_group() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -30,26 +39,6 @@ __device__ __forceinline__ void cp_async_commit_group() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Streaming global loads of data read exactly once (packed low-bit weights): through the
-// non-coherent path, not kept in L1, so L1 stays for the scales and activations.
-__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ldg_stream_v2(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint32_t ldg_stream_u32(const void* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
 }
 
 // (a & b) | c in one LOP3.

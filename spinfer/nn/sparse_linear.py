@@ -48,8 +48,7 @@ class SparseLinear(nn.Module):
             self.format = "lowbit"
             self.out_features, self.in_features = weight.shape
             self.register_buffer("qweight", weight.qweight)
-            self.register_buffer("scales", weight.scales)
-            self.register_buffer("zeros", weight.zeros)
+            self.register_buffer("scale_zero", weight.scale_zero)
             self.register_buffer("perm", weight.perm)
             self._aux = (weight.bits, weight.group_size, 0, 0)
         elif isinstance(weight, torch.Tensor):
@@ -132,8 +131,8 @@ class SparseLinear(nn.Module):
                 obj._nnz = nnz
             elif self.format == "lowbit":
                 bits, g = self._aux[:2]
-                obj = LowBitWeight(self.qweight, self.scales, self.zeros, bits, g,
-                                   (self.out_features, self.in_features), self.perm)
+                obj = LowBitWeight(self.qweight, None, None, bits, g, (self.out_features, self.in_features),
+                                   self.perm, scale_zero=self.scale_zero)
             else:
                 obj = self.weight
             self._weight_obj = obj
@@ -142,7 +141,7 @@ class SparseLinear(nn.Module):
     @property
     def weight_dtype(self) -> torch.dtype:
         return {"dense": lambda: self.weight.dtype, "tca-bme": lambda: self.values.dtype,
-                "lowbit": lambda: self.scales.dtype}[self.format]()
+                "lowbit": lambda: self.scale_zero.dtype}[self.format]()
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")

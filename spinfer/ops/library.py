@@ -23,7 +23,7 @@ LIB.define(f"spmm_out({_SPMM_ARGS}, *, Tensor(a!) out) -> ()")
 
 # Weight-only low-bit matmul: y = x @ dequantize(W).T + bias (spinfer/quant/lowbit.py layout).
 _LOWBIT_ARGS = (
-    "Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, int group_size, "
+    "Tensor x, Tensor qweight, Tensor scale_zero, int bits, int group_size, "
     "int m, int k, Tensor? perm=None, Tensor? bias=None"
 )
 # Picks the fused kernel or dequantize-then-cuBLAS by N (spinfer/ops/lowbit_mm.py).

@@ -23,9 +23,9 @@ from .linear_input import check_op_inputs, flatten_input
 FUSED_MAX_N = 64
 
 
-def _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, accumulate=torch.float32):
-    check_op_inputs(x, scales, m, k, bias)
-    w = dequantize(qweight, scales, zeros, bits, group_size, (m, k), perm)
+def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accumulate=torch.float32):
+    check_op_inputs(x, scale_zero, m, k, bias)
+    w = dequantize(qweight, scale_zero, bits, group_size, (m, k), perm)
     if accumulate == torch.float32:
         y = x.float() @ w.float().t()
         if bias is not None:
@@ -43,39 +43,39 @@ def _check_out(out, x, m) -> None:
 
 
 @torch.library.register_fake("spinfer::lowbit_mm")
-def _lowbit_mm_fake(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None):
-    check_op_inputs(x, scales, m, k, bias)
+def _lowbit_mm_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None):
+    check_op_inputs(x, scale_zero, m, k, bias)
     if x.device.type == "cuda" and x.shape[0] <= FUSED_MAX_N:
         build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
 
-def _lowbit_mm_cpu(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None):
-    LowBitWeight(qweight, scales, zeros, bits, group_size, (m, k), perm)  # validates the arrays
-    return _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias)
+def _lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None):
+    LowBitWeight(qweight, None, None, bits, group_size, (m, k), perm, scale_zero=scale_zero)  # validates
+    return _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias)
 
 
-def _lowbit_mm_cuda(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None):
+def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None):
     # O(1) checks only: the permutation check would sync the device on every call. A perm that
     # is not a permutation gathers wrong columns but never reads out of bounds (index_select).
-    LowBitWeight(qweight, scales, zeros, bits, group_size, (m, k), perm, validate=False)
+    LowBitWeight(qweight, None, None, bits, group_size, (m, k), perm, validate=False, scale_zero=scale_zero)
     if x.shape[0] > FUSED_MAX_N:
-        return _reference(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, accumulate=None)
-    check_op_inputs(x, scales, m, k, bias)
+        return _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accumulate=None)
+    check_op_inputs(x, scale_zero, m, k, bias)
     out = x.new_empty((x.shape[0], m))
-    torch.ops.spinfer.lowbit_mm_out(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias, out=out)
+    torch.ops.spinfer.lowbit_mm_out(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, out=out)
     return out
 
 
 @torch.library.register_fake("spinfer::lowbit_mm_out")
-def _lowbit_mm_out_fake(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None, *, out):
-    check_op_inputs(x, scales, m, k, bias)
+def _lowbit_mm_out_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, *, out):
+    check_op_inputs(x, scale_zero, m, k, bias)
     _check_out(out, x, m)
 
 
-def _lowbit_mm_out_cpu(x, qweight, scales, zeros, bits, group_size, m, k, perm=None, bias=None, *, out):
+def _lowbit_mm_out_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, *, out):
     _check_out(out, x, m)
-    out.copy_(_lowbit_mm_cpu(x, qweight, scales, zeros, bits, group_size, m, k, perm, bias))
+    out.copy_(_lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm, bias))
 
 
 # The decorator form would rebind these names to None; register them explicitly so the
@@ -92,18 +92,23 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
 
     With ``out`` (a contiguous ``[N, M]`` tensor, ``N`` the product of the leading dims), the
     fused kernel writes into it at any N: static buffers for CUDA graphs."""
-    x2, lead = flatten_input(x, weight, LowBitWeight, weight.scales, bias)
+    x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias)
     m, k = weight.shape
     if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
         build.load_extension()  # JIT-compiles the kernels on first use, then cached
-    args = (x2, weight.qweight, weight.scales, weight.zeros, weight.bits, weight.group_size, m, k, weight.perm, bias)
+    args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias)
     if out is not None:
-        weight.check_structure()
-        check_op_inputs(x2, weight.scales, m, k, bias)
         _check_out(out, x2, m)
         if x2.shape[0]:
             torch.ops.spinfer.lowbit_mm_out(*args, out=out)
         return out.view(*lead, m)
     if x2.shape[0] == 0:
         return x.new_empty((*lead, m))
+    if x2.is_cuda and x2.shape[0] <= FUSED_MAX_N and not torch.compiler.is_compiling():
+        # Eager fast path: the weight was checked when it was built and flatten_input checked
+        # x and bias, so go straight to the kernel (one dispatch instead of two, ~40 us less
+        # host time per call). Compiled graphs keep the lowbit_mm op.
+        out = x2.new_empty((x2.shape[0], m))
+        torch.ops.spinfer.lowbit_mm_out(*args, out=out)
+        return out.view(*lead, m)
     return torch.ops.spinfer.lowbit_mm(*args).reshape(*lead, m)

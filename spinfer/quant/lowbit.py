@@ -10,8 +10,10 @@ Layout (chosen for the kernels; docs/quant.md):
   load) and finds value ``s`` and value ``s + 16/bits`` of a word 16 bits apart, ready for a
   one-instruction conversion to a half2. Inside a word, stream value ``j`` occupies bits
   ``[bits*j, bits*(j+1))``.
-* ``scales`` and ``zeros``: ``[M, K / group_size]`` in the weight dtype (fp16/bf16). Zeros are
-  floats so HQQ-style fractional zeros import exactly; the RTN quantizer stores integers.
+* ``scale_zero``: ``[M, K / group_size, 2]`` in the weight dtype (fp16/bf16), each group's scale
+  and zero side by side so the kernel fetches both with one aligned 4-byte copy;
+  ``LowBitWeight.scales`` and ``.zeros`` are views of it. Zeros are floats so HQQ-style
+  fractional zeros import exactly; the RTN quantizer stores integers.
 * ``perm`` (optional): int64 ``[K]``. GPTQ act-order checkpoints have groups scattered over K;
   importing permutes K once so groups are contiguous, and the op gathers ``x[..., perm]``.
 
@@ -32,7 +34,7 @@ SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 K_ALIGN = 128  # K padding: a multiple of 128 values is a multiple of 16 bytes at every width
-FORMAT_VERSION = 2  # 2: fragment order inside each 128-column chunk
+FORMAT_VERSION = 2  # 2: fragment order inside each 128-column chunk; scale_zero interleaved
 
 
 @dataclass(frozen=True)
@@ -131,10 +133,11 @@ def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     return out.reshape(m, kp)
 
 
-def dequantize(qweight, scales, zeros, bits: int, group_size: int, shape, perm=None) -> torch.Tensor:
+def dequantize(qweight, scale_zero, bits: int, group_size: int, shape, perm=None) -> torch.Tensor:
     """The reference dequantization: ``(q - zero) * scale`` in float32, rounded once to the
     scales' dtype; columns returned to the original K order when ``perm`` is given."""
     m, k = shape
+    scales, zeros = scale_zero[..., 0], scale_zero[..., 1]
     q = unpack(qweight, bits)[:, :k].float().reshape(m, k // group_size, group_size)
     w = ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(m, k).to(scales.dtype)
     if perm is not None:
@@ -150,15 +153,19 @@ class LowBitWeight:
     def __init__(
         self,
         qweight: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
+        scales: Optional[torch.Tensor],
+        zeros: Optional[torch.Tensor],
         bits: int,
         group_size: Optional[int],
         shape: Tuple[int, int],
         perm: Optional[torch.Tensor] = None,
         *,
         validate: bool = True,
+        scale_zero: Optional[torch.Tensor] = None,
     ):
+        """``scales`` and ``zeros`` ``[M, K/g]`` are stored interleaved; or pass them already
+        interleaved as ``scale_zero`` ``[M, K/g, 2]`` (with ``scales=zeros=None``), as the op and
+        modules do, to skip the copy."""
         try:
             m, k = (int(v) for v in shape)
         except (TypeError, ValueError):
@@ -168,7 +175,19 @@ class LowBitWeight:
         self.bits = check_bits(bits)
         self.group_size = resolve_group_size(group_size, k)
         self.shape = (m, k)
-        self.qweight, self.scales, self.zeros, self.perm = qweight, scales, zeros, perm
+        if scale_zero is None:
+            for name, t in (("scales", scales), ("zeros", zeros)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if scales.dtype != zeros.dtype:
+                raise TypeError(f"scales are {scales.dtype} but zeros are {zeros.dtype}")
+            if scales.shape != zeros.shape or scales.device != zeros.device:
+                raise ValueError(f"scales are {tuple(scales.shape)} on {scales.device} but zeros are "
+                                 f"{tuple(zeros.shape)} on {zeros.device}")
+            scale_zero = torch.stack((scales, zeros), dim=-1)
+        elif scales is not None or zeros is not None:
+            raise ValueError("pass scales and zeros, or scale_zero, not both")
+        self.qweight, self.scale_zero, self.perm = qweight, scale_zero, perm
         if validate:
             self.validate()
         else:
@@ -276,7 +295,7 @@ class LowBitWeight:
     # reference ----------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
         """Dense ``[M, K]`` in the weight dtype, in the original K order (perm undone)."""
-        return dequantize(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.shape, self.perm)
+        return dequantize(self.qweight, self.scale_zero, self.bits, self.group_size, self.shape, self.perm)
 
     def validate(self) -> None:
         """Full check: :meth:`check_structure` plus that ``perm`` is a permutation (O(K), and a
@@ -296,17 +315,16 @@ class LowBitWeight:
         if self.qweight.shape != (m, words):
             raise ValueError(f"qweight must be [{m}, {words}] for {m}x{k} at {self.bits} bits, got {tuple(self.qweight.shape)}")
         groups = k // self.group_size
-        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
-            if not isinstance(t, torch.Tensor) or t.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"{name} must be a float16 or bfloat16 tensor")
-            if t.shape != (m, groups):
-                raise ValueError(f"{name} must be [{m}, {groups}], got {tuple(t.shape)}")
-        if self.scales.dtype != self.zeros.dtype:
-            raise TypeError(f"scales are {self.scales.dtype} but zeros are {self.zeros.dtype}")
+        sz = self.scale_zero
+        if not isinstance(sz, torch.Tensor) or sz.dtype not in SUPPORTED_DTYPES:
+            raise TypeError("scales and zeros must be float16 or bfloat16 tensors")
+        if sz.shape != (m, groups, 2):
+            raise ValueError(f"scales and zeros must be [{m}, {groups}] (scale_zero [{m}, {groups}, 2]), "
+                             f"got scale_zero {tuple(sz.shape)}")
         if self.perm is not None:
             if self.perm.shape != (k,) or self.perm.dtype != torch.int64:
                 raise ValueError(f"perm must be an int64 [{k}] tensor")
-        devices = {t.device for t in (self.qweight, self.scales, self.zeros) if t is not None}
+        devices = {t.device for t in (self.qweight, self.scale_zero)}
         if self.perm is not None:
             devices.add(self.perm.device)
         if len(devices) != 1:
@@ -315,7 +333,17 @@ class LowBitWeight:
     # properties and movement -------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.scales.dtype
+        return self.scale_zero.dtype
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """``[M, K/g]`` view of the scales."""
+        return self.scale_zero[..., 0]
+
+    @property
+    def zeros(self) -> torch.Tensor:
+        """``[M, K/g]`` view of the zero points."""
+        return self.scale_zero[..., 1]
 
     @property
     def device(self) -> torch.device:
@@ -325,7 +353,8 @@ class LowBitWeight:
         def size(t):
             return 0 if t is None else t.numel() * t.element_size()
 
-        return LowBitStorage(size(self.qweight), size(self.scales), size(self.zeros), size(self.perm))
+        half = size(self.scale_zero) // 2
+        return LowBitStorage(size(self.qweight), half, half, size(self.perm))
 
     @property
     def compression_ratio(self) -> float:
@@ -334,12 +363,12 @@ class LowBitWeight:
 
     def to(self, device: Union[str, torch.device]) -> "LowBitWeight":
         perm = None if self.perm is None else self.perm.to(device)
-        return LowBitWeight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.bits,
-                            self.group_size, self.shape, perm)
+        return LowBitWeight(self.qweight.to(device), None, None, self.bits, self.group_size, self.shape, perm,
+                            scale_zero=self.scale_zero.to(device))
 
     def state_dict(self) -> dict:
         m, k = self.shape
-        sd = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros,
+        sd = {"qweight": self.qweight, "scale_zero": self.scale_zero,
               "meta": torch.tensor([FORMAT_VERSION, m, k, self.bits, self.group_size], dtype=torch.int64)}
         if self.perm is not None:
             sd["perm"] = self.perm
@@ -347,9 +376,9 @@ class LowBitWeight:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "LowBitWeight":
-        m, k, bits, g = read_meta(state, ("qweight", "scales", "zeros"), "LowBitWeight", FORMAT_VERSION, 5)
-        return cls(state["qweight"], state["scales"], state["zeros"], bits, None if g == k else g, (m, k),
-                   state.get("perm"))
+        m, k, bits, g = read_meta(state, ("qweight", "scale_zero"), "LowBitWeight", FORMAT_VERSION, 5)
+        return cls(state["qweight"], None, None, bits, None if g == k else g, (m, k), state.get("perm"),
+                   scale_zero=state["scale_zero"])
 
     def __repr__(self) -> str:
         m, k = self.shape

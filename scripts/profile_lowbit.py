@@ -1,0 +1,73 @@
+"""Where the time of spinfer.lowbit_mm goes, on a GPU: host time per call, event time with and
+without host headroom (a sleep kernel after the L2 flush, so launch overhead cannot leak into
+the measurement), and a split-K sweep of the kernel alone.
+
+    python scripts/profile_lowbit.py [BITS GROUP]
+"""
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import spinfer
+from spinfer.quant import LowBitWeight
+from spinfer.timing import _l2_flush_buffer
+
+bits, group = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (4, 128)
+spinfer.build.load_extension()
+dev = torch.device("cuda")
+flush = _l2_flush_buffer(dev)
+
+
+def event_time(fn, headroom_cycles=0, reps=30):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        flush.zero_()
+        if headroom_cycles:
+            torch.cuda._sleep(headroom_cycles)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(ts)
+
+
+def host_time(fn, reps=200):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6
+
+
+for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:
+    w = torch.randn(m, k, device=dev).half()
+    q = LowBitWeight.quantize(w, bits, group)
+    x = torch.randn(1, k, device=dev).half()
+    out = torch.empty(1, m, device=dev).half()
+    wrapper = lambda: spinfer.lowbit_mm(x, q)  # noqa: E731
+    direct = lambda: torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, q.group_size, m, k,  # noqa
+                                                     None, None, out=out)
+    dense = lambda: F.linear(x, w)  # noqa: E731
+    print(f"{m}x{k} {bits}-bit g{group} N=1: host us/call wrapper {host_time(wrapper):.1f}, direct op "
+          f"{host_time(direct):.1f}, F.linear {host_time(dense):.1f}")
+    print(f"  event us: wrapper {event_time(wrapper):.1f} / with headroom {event_time(wrapper, 2_000_000):.1f}; "
+          f"direct {event_time(direct, 2_000_000):.1f}; cuBLAS {event_time(dense, 2_000_000):.1f}")
+    sweep = []
+    for s in (1, 2, 3, 4, 6, 8, 12, 16):
+        os.environ["SPINFER_LOWBIT_SPLITS"] = str(s)
+        sweep.append(f"{s}:{event_time(direct, 2_000_000):.1f}")
+    os.environ.pop("SPINFER_LOWBIT_SPLITS")
+    print("  splits sweep (direct, headroom): " + " ".join(sweep), flush=True)

@@ -1,5 +1,6 @@
 // Planning and dispatch of the fused low-bit kernel: tile width by N, split-K by occupancy.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -48,15 +49,24 @@ cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s)
   }
 }
 
-// Split-K factor. The kernel streams each weight byte once, so it is fast when every block is
-// resident in one wave (no tail wave) and enough loads are in flight to cover HBM latency:
-// take the most splits whose blocks still fit in one wave, keeping at least 4 iterations per
-// split so the pipeline prologue and the partial-tile reduction stay small.
+// Split-K factor. The kernel streams each weight byte once: it is fast when every block is
+// resident at once (no tail wave) and enough copies are in flight to cover HBM latency. So:
+// the most splits whose blocks still fit in one wave, keeping at least 4 stages per split so
+// the pipeline prologue and the partial-tile reduction stay small; if even one split does not
+// fit, the split count whose last wave is fullest.
 int choose_splits(int base_blocks, int slots, int total_iters) {
   constexpr int kMinItersPerSplit = 4;
-  const int by_wave = std::max(1, slots / std::max(1, base_blocks));
-  const int by_length = std::max(1, total_iters / kMinItersPerSplit);
-  return std::max(1, std::min(by_wave, by_length));
+  const int max_splits = std::max(1, total_iters / kMinItersPerSplit);
+  if (base_blocks <= slots) return std::max(1, std::min(slots / base_blocks, max_splits));
+  int best = 1;
+  double best_cost = 1e30;
+  for (int s = 1; s <= std::min(max_splits, 16); ++s) {
+    const double blocks = double(base_blocks) * s;
+    const double waves = std::ceil(blocks / slots);
+    const double cost = waves * slots / blocks * (1.0 + 0.02 * s);  // idle slot fraction, reduction
+    if (cost < best_cost - 1e-9) best = s, best_cost = cost;
+  }
+  return best;
 }
 
 }  // namespace

@@ -44,25 +44,32 @@ constexpr int chunks_per_stage() {
   return BITS == 8 ? 1 : 2;
 }
 
-// Bytes between packed weight rows in shared memory: a row's stage bytes plus a pad that makes
-// the lanes of one shared-load phase hit distinct banks. A lane reads `BITS` words at byte
-// 4*BITS*t of its row's chunk; per phase: 8-bit, 2 x 16 B loads, rows g, g+1 (pad 16);
-// 4-bit, 16 B, rows g, g+1 (row stride = 64 mod 128); 2-bit, 8 B, rows g..g+3 (32 mod 128);
-// 1-bit, 4 B, 8 rows (16 mod 128).
+// Packed weight rows sit unpadded in shared memory; instead the 16-byte pieces of row r are
+// XOR-swizzled by piece_swizzle<BITS>(r) so the lanes of one shared-load phase hit distinct
+// banks. A lane reads `BITS` words at byte 4*BITS*t of its row's chunk; per phase: 8-bit,
+// 16 B loads, rows g, g+1 (128 B rows: swap odd pieces of odd rows); 4-bit, 16 B, rows g, g+1
+// (flip the row half); 2-bit, 8 B, rows g..g+3 (64 B rows: flip 32 B halves of rows 2, 3);
+// 1-bit, 4 B, rows g..g+7 (32 B rows: swap the pieces of rows 4..7).
 template <int BITS>
-constexpr int weight_stride() {
-  constexpr int bytes = chunks_per_stage<BITS>() * kChunk * BITS / 8;
-  return bytes + (BITS == 8 ? 16 : BITS == 4 ? 64 : BITS == 2 ? 32 : 16);
+__host__ __device__ constexpr int weight_row_bytes() {
+  return (BITS == 8 ? 1 : 2) * 128 * BITS / 8;
+}
+template <int BITS>
+__device__ __forceinline__ int piece_swizzle(int r) {
+  if constexpr (BITS == 8) return r & 1;
+  else if constexpr (BITS == 4) return (r & 1) << 2;
+  else if constexpr (BITS == 2) return ((r >> 1) & 1) << 1;
+  else return (r >> 2) & 1;
 }
 
-// One stage: [64 weight rows][weight_stride] [64 rows][U*NG (scale, zero) pairs] [BN][x stride].
+// One stage: [64 weight rows][row bytes] [64 rows][U*NG (scale, zero) pairs] [BN][x stride].
 // The x stride is columns + 16 halves: row g's 8-byte B-fragment loads start 32 bytes after
 // row g-1's (mod 128), so a half-warp (4 rows x 4 lanes) covers all 32 banks once.
 template <int BITS, int BN, int NG>
 struct Layout {
   static constexpr int U = chunks_per_stage<BITS>();
   static constexpr int kCols = U * kChunk;
-  static constexpr int kWStride = weight_stride<BITS>();
+  static constexpr int kWStride = weight_row_bytes<BITS>();
   static constexpr int kPairs = U * NG;  // (scale, zero) pairs per row per stage
   static constexpr int kSzOffset = kBlockRows * kWStride;
   static constexpr int kXOffset = kSzOffset + (kBlockRows * kPairs * 4 + 15) / 16 * 16;
@@ -140,19 +147,22 @@ __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s) {
   }
 }
 
+// A lane's BITS words at byte `offset` of swizzled row `r` (whose first byte is `row`).
 template <int BITS>
-__device__ __forceinline__ void load_words(uint32_t (&dst)[BITS], const unsigned char* src) {
+__device__ __forceinline__ void load_words(uint32_t (&dst)[BITS], const unsigned char* row, int r, int offset) {
+  const int sw = piece_swizzle<BITS>(r);
+  auto at = [&](int o) { return row + (((o >> 4) ^ sw) << 4) + (o & 15); };
   if constexpr (BITS >= 4) {
 #pragma unroll
     for (int i = 0; i < BITS; i += 4) {
-      const uint4 v = *reinterpret_cast<const uint4*>(src + 4 * i);
+      const uint4 v = *reinterpret_cast<const uint4*>(at(offset + 4 * i));
       dst[i] = v.x, dst[i + 1] = v.y, dst[i + 2] = v.z, dst[i + 3] = v.w;
     }
   } else if constexpr (BITS == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    const uint2 v = *reinterpret_cast<const uint2*>(at(offset));
     dst[0] = v.x, dst[1] = v.y;
   } else {
-    dst[0] = *reinterpret_cast<const uint32_t*>(src);
+    dst[0] = *reinterpret_cast<const uint32_t*>(at(offset));
   }
 }
 
@@ -189,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
       const bool ok = row < args.m && c0 * kChunk + piece * 16 * 8 / BITS < args.kp;
       const unsigned char* src = reinterpret_cast<const unsigned char*>(args.qweight) +
                                  (ok ? row * row_bytes + static_cast<int64_t>(c0) * kChunk / 8 * BITS + piece * 16 : 0);
-      ptx::cp_async_cg_16(st + r * L::kWStride + piece * 16, src, ok);
+      ptx::cp_async_cg_16(st + r * L::kWStride + (piece ^ piece_swizzle<BITS>(r)) * 16, src, ok);
     }
     for (int p = tid; p < kBlockRows * L::kPairs; p += kThreads) {
       const int r = p / L::kPairs, u = p % L::kPairs / NG, j = p % NG;
@@ -228,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t scale2[NG][2], nzs2[NG][2];  // half2 (s, s) and (-z*s, -z*s)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride + u * (kRowBytes / U) + 4 * BITS * t);
+        load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h, u * (kRowBytes / U) + 4 * BITS * t);
 #pragma unroll
         for (int j = 0; j < NG; ++j) {
           const uint32_t sz =

@@ -16,10 +16,17 @@ GROUPS = [32, 64, 128, 256, None]
 
 @pytest.mark.parametrize("bits", BITS)
 def test_pack_unpack_round_trip_and_bit_order(bits):
-    q = torch.randint(0, 1 << bits, (5, 256), dtype=torch.uint8)
+    q = torch.randint(0, 1 << bits, (70, 512), dtype=torch.uint8)
     packed = pack(q, bits)
-    assert packed.dtype == torch.int32 and packed.shape == (5, 256 * bits // 32)
-    assert torch.equal(unpack(packed, bits), q)
+    sc = 128 if bits == 8 else 256
+    assert packed.dtype == torch.int32 and packed.shape == (2, 512 // sc, 64, sc * bits // 32)
+    assert torch.equal(unpack(packed, bits, 70), q)
+    assert not bool(unpack(packed, bits)[70:].any())  # padding rows hold q = 0
+    # tile (row block 1, stage 1) starts at row 64, column sc, and is contiguous
+    flat = packed.reshape(-1)
+    tile = flat[(1 * (512 // sc) + 1) * 64 * (sc * bits // 32):][: 6 * (sc * bits // 32)]
+    assert torch.equal(tile.reshape(6, -1), pack(q[64:70, sc:2 * sc].contiguous().repeat(1, 512 // sc), bits)
+                       .reshape(-1, 64, sc * bits // 32)[0, :6])
     assert torch.equal(unpack_bits(pack_bits(q, bits), bits), q)
     one = torch.zeros(1, 128, dtype=torch.uint8)
     one[0, 1] = 1  # little-endian: value 1 of word 0 sits at bit `bits`
@@ -45,9 +52,9 @@ def test_fragment_order_is_the_kernel_lane_layout(bits):
         assert int(order[j]) == _kernel_column(bits, word // bits, word % bits, p)
     # one explicit case per width: column 1 (tile 0, lane 0, slot 1) is the upper half of pair 0
     # of lane 0's first word, 16 bits above column 0
-    one = torch.zeros(1, 128, dtype=torch.uint8)
+    one = torch.zeros(1, 256, dtype=torch.uint8)
     one[0, 1] = 1
-    assert int(pack(one, bits)[0, 0]) == 1 << 16
+    assert int(pack(one, bits)[0, 0, 0, 0]) == 1 << 16
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -68,7 +75,7 @@ def test_constant_groups_are_exact_and_odd_shapes_work():
     assert torch.equal(LowBitWeight.quantize(w, 2, 32).dequantize(), w)
     w = torch.randn(77, 1000).half()  # odd M, K not a multiple of 128: per-channel
     q = LowBitWeight.quantize(w, 4, None)
-    assert q.group_size == 1000 and q.qweight.shape == (77, 1024 * 4 // 32)
+    assert q.group_size == 1000 and q.qweight.shape == (2, 4, 64, 256 * 4 // 32)
     assert rel_err(q.dequantize(), w) < 0.15
 
 
@@ -183,7 +190,7 @@ def test_state_dict_repr_storage_and_empty_batch():
         st = q.storage_bytes()
         arrays = [q.qweight, q.scales, q.zeros] + ([q.perm] if q.perm is not None else [])
         assert st.total == sum(t.numel() * t.element_size() for t in arrays)
-        assert st.qweight == 24 * 512 * q.bits // 8  # K=512 needs no padding
+        assert st.qweight == 64 * 512 * q.bits // 8  # M padded to a 64-row tile, K=512 needs none
         assert q.compression_ratio == pytest.approx(2 * 24 * 512 / st.total)
         assert "LowBitWeight(shape=(24, 512)" in repr(q)
         assert spinfer.lowbit_mm(torch.randn(0, 512).to(q.dtype), q).shape == (0, 24)

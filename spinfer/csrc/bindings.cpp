@@ -138,13 +138,17 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(m >= 1 && k >= 1 && group_size >= 1 && k % group_size == 0,
                     "bad low-bit geometry: m=", m, " k=", k, " group_size=", group_size);
-  const int64_t kp = (k + 127) / 128 * 128, groups = k / group_size;
+  // The kernel's stages are whole 256-column tiles (two 128-column stages at 8 bits).
+  const int64_t kp = (k + 255) / 256 * 256, groups = k / group_size;
+  const int64_t stage = bits == 8 ? 128 : 256;
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "x must be [N, ", k, "], got ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
                    "x must be float16 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK_TYPE(qweight.scalar_type() == at::kInt, "qweight must be int32");
-  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.size(0) == m && qweight.size(1) == kp * bits / 32,
-                    "qweight must be [", m, ", ", kp * bits / 32, "], got ", qweight.sizes());
+  TORCH_CHECK_VALUE(qweight.dim() == 4 && qweight.size(0) == (m + 63) / 64 && qweight.size(1) == kp / stage &&
+                        qweight.size(2) == 64 && qweight.size(3) == stage * bits / 32,
+                    "qweight must be [", (m + 63) / 64, ", ", kp / stage, ", 64, ", stage * bits / 32, "], got ",
+                    qweight.sizes());
   TORCH_CHECK_TYPE(scale_zero.scalar_type() == x.scalar_type(), "scale_zero is ", scale_zero.scalar_type(),
                    " but x is ", x.scalar_type());
   TORCH_CHECK_VALUE(scale_zero.dim() == 3 && scale_zero.size(0) == m && scale_zero.size(1) == groups &&
@@ -166,7 +170,7 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t n = x.size(0);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  // Act-order: gather x's columns once. The kernel reads whole 128-column chunks of x: pad K
+  // Act-order: gather x's columns once. The kernel reads whole 256-column stages of x: pad K
   // with zeros (the padded weight columns hold q = 0 but a nonzero zero-point).
   at::Tensor xg = x;
   if (perm) {

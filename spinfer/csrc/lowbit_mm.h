@@ -9,8 +9,8 @@
 namespace spinfer {
 
 struct LowbitArgs {
-  const void* x;           // [n, kp] fp16/bf16 row-major, 16-byte aligned, zero past K
-  const uint32_t* qweight; // [m, kp * bits / 32], fragment order inside each 128-column chunk
+  const void* x;           // [n, kp] fp16/bf16 row-major, 16-byte aligned, zero past K; kp % 256 == 0
+  const uint32_t* qweight; // [ceil(m/64), kp/stage, 64, stage*bits/32] tiles (spinfer/quant/lowbit.py)
   const void* scale_zero;  // [m, groups, 2] (scale, zero) pairs in x's dtype, 4-byte aligned
   const void* bias;        // [m] or nullptr
   void* y;                 // [n, m]

@@ -2,14 +2,16 @@
 
 Layout (chosen for the kernels; docs/quant.md):
 
-* ``qweight``: int32 ``[M, Kp * bits / 32]``, row-major by output feature. ``Kp`` is K rounded
-  up to a multiple of 128; padding holds ``q = 0`` and meets zero-padded activations. Each
-  row is a sequence of 128-column chunks of ``4 * bits`` words, and inside a chunk the values
-  are stored in the fused kernel's fragment order (:func:`fragment_order`): lane ``t`` of an
-  mma.m16n8k16 warp fetches its share of the chunk (``bits`` consecutive words, one 4..32-byte
-  load) and finds value ``s`` and value ``s + 16/bits`` of a word 16 bits apart, ready for a
-  one-instruction conversion to a half2. Inside a word, stream value ``j`` occupies bits
-  ``[bits*j, bits*(j+1))``.
+* ``qweight``: int32 ``[Mp/64, Kp/S, 64, S*bits/32]``: tiles of 64 output rows by ``S``
+  input columns (``S`` = 256, or 128 at 8 bits), each tile contiguous, so the kernel's copy
+  of one pipeline stage (a tile) is one 4..8 KB span of memory. ``Mp`` is M rounded up to 64
+  and ``Kp`` is K rounded up to 256; padding holds ``q = 0`` (padded rows are never stored to
+  the output, padded columns meet zero-padded activations). Inside a tile each row is a
+  sequence of 128-column chunks of ``4 * bits`` words, and inside a chunk the values are in
+  the fused kernel's fragment order (:func:`fragment_order`): lane ``t`` of an mma.m16n8k16
+  warp reads its share of the chunk (``bits`` consecutive words) and finds value ``s`` and
+  value ``s + 16/bits`` of a word 16 bits apart, ready for a one-instruction conversion to a
+  half2. Inside a word, stream value ``j`` occupies bits ``[bits*j, bits*(j+1))``.
 * ``scale_zero``: ``[M, K / group_size, 2]`` in the weight dtype (fp16/bf16), each group's scale
   and zero side by side so the kernel fetches both with one aligned 4-byte copy;
   ``LowBitWeight.scales`` and ``.zeros`` are views of it. Zeros are floats so HQQ-style
@@ -33,7 +35,9 @@ from ..format.state import read_meta
 SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-K_ALIGN = 128  # K padding: a multiple of 128 values is a multiple of 16 bytes at every width
+K_ALIGN = 256  # K padding: whole kernel stages (256 columns; two 128-column stages at 8 bits)
+CHUNK = 128  # columns per fragment-order chunk
+ROW_BLOCK = 64  # output rows per kernel block and per qweight tile
 FORMAT_VERSION = 2  # 2: fragment order inside each 128-column chunk; scale_zero interleaved
 
 
@@ -84,7 +88,7 @@ def fragment_order(bits: int) -> torch.Tensor:
     in its B fragment."""
     bits = check_bits(bits)
     v = 32 // bits
-    j = torch.arange(K_ALIGN)
+    j = torch.arange(CHUNK)
     word, p = j // v, j % v
     t, wi = word // bits, word % bits
     s, e = p % (v // 2), p // (v // 2)
@@ -112,25 +116,43 @@ def unpack_bits(words: torch.Tensor, bits: int) -> torch.Tensor:
     return vals.reshape(words.shape[0], -1)
 
 
+def stage_cols(bits: int) -> int:
+    """Input columns of one qweight tile (one kernel pipeline stage)."""
+    return 128 if bits == 8 else 256
+
+
+def qweight_shape(m: int, k: int, bits: int) -> Tuple[int, int, int, int]:
+    sc = stage_cols(bits)
+    return (-(-m // ROW_BLOCK), padded_k(k) // sc, ROW_BLOCK, sc * bits // 32)
+
+
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """``q`` integer ``[M, Kp]`` (Kp a multiple of 128) with values in ``[0, 2**bits)`` -> the
-    ``qweight`` layout: int32 ``[M, Kp*bits/32]``, fragment order inside each chunk."""
+    """``q`` integer ``[M, Kp]`` (Kp a multiple of 256) with values in ``[0, 2**bits)`` -> the
+    ``qweight`` layout (module docstring): row tiles of 64 x stage columns, fragment order
+    inside each 128-column chunk."""
     m, kp = q.shape
     if kp % K_ALIGN:
         raise ValueError(f"pack takes K padded to a multiple of {K_ALIGN}, got {kp}")
     order = fragment_order(bits).to(q.device)
-    stream = q.reshape(m, kp // K_ALIGN, K_ALIGN)[..., order].reshape(m, kp)
-    return pack_bits(stream, bits)
+    stream = q.reshape(m, kp // CHUNK, CHUNK)[..., order].reshape(m, kp)
+    words = pack_bits(stream, bits)
+    mb, stages, rows, sw = qweight_shape(m, kp, bits)
+    words = torch.nn.functional.pad(words, (0, 0, 0, mb * rows - m))
+    return words.reshape(mb, rows, stages, sw).transpose(1, 2).contiguous()
 
 
-def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``qweight`` int32 ``[M, W]`` -> uint8 ``[M, W*32/bits]`` in
-    column order."""
-    stream = unpack_bits(qweight, bits)
-    m, kp = stream.shape
-    out = torch.empty_like(stream).reshape(m, kp // K_ALIGN, K_ALIGN)
-    out[..., fragment_order(bits).to(stream.device)] = stream.reshape(m, kp // K_ALIGN, K_ALIGN)
-    return out.reshape(m, kp)
+def unpack(qweight: torch.Tensor, bits: int, m: Optional[int] = None) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``qweight`` -> uint8 ``[M, Kp]`` in column order (``m`` drops
+    the padding rows; default: keep all ``Mp``)."""
+    mb, stages, rows, sw = qweight.shape
+    words = qweight.transpose(1, 2).reshape(mb * rows, stages * sw)
+    if m is not None:
+        words = words[:m]
+    stream = unpack_bits(words, bits)
+    mm, kp = stream.shape
+    out = torch.empty_like(stream).reshape(mm, kp // CHUNK, CHUNK)
+    out[..., fragment_order(bits).to(stream.device)] = stream.reshape(mm, kp // CHUNK, CHUNK)
+    return out.reshape(mm, kp)
 
 
 def dequantize(qweight, scale_zero, bits: int, group_size: int, shape, perm=None) -> torch.Tensor:
@@ -138,7 +160,7 @@ def dequantize(qweight, scale_zero, bits: int, group_size: int, shape, perm=None
     scales' dtype; columns returned to the original K order when ``perm`` is given."""
     m, k = shape
     scales, zeros = scale_zero[..., 0], scale_zero[..., 1]
-    q = unpack(qweight, bits)[:, :k].float().reshape(m, k // group_size, group_size)
+    q = unpack(qweight, bits, m)[:, :k].float().reshape(m, k // group_size, group_size)
     w = ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(m, k).to(scales.dtype)
     if perm is not None:
         out = torch.empty_like(w)
@@ -309,11 +331,12 @@ class LowBitWeight:
     def check_structure(self) -> None:
         """O(1) checks of types, dtypes, shapes and devices, with no device sync."""
         m, k = self.shape
-        words = padded_k(k) * self.bits // 32
+        want = qweight_shape(m, k, self.bits)
         if not isinstance(self.qweight, torch.Tensor) or self.qweight.dtype != torch.int32:
             raise TypeError("qweight must be an int32 tensor")
-        if self.qweight.shape != (m, words):
-            raise ValueError(f"qweight must be [{m}, {words}] for {m}x{k} at {self.bits} bits, got {tuple(self.qweight.shape)}")
+        if tuple(self.qweight.shape) != want:
+            raise ValueError(f"qweight must be {list(want)} for {m}x{k} at {self.bits} bits, "
+                             f"got {list(self.qweight.shape)}")
         groups = k // self.group_size
         sz = self.scale_zero
         if not isinstance(sz, torch.Tensor) or sz.dtype not in SUPPORTED_DTYPES:

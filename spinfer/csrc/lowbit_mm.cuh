@@ -133,21 +133,27 @@ struct Num<true> {
   }
 };
 
-// Values s and s + V/2 of a packed word as an exact half2/bfloat162 of q.
+// Values s and s + V/2 of a packed word as a half2/bfloat162 holding kOffset + q exactly, with
+// one LOP3: the magic-number conversion (0x6400 | q is 1024 + q in fp16, 0x4300 | q is
+// 128 + q in bf16). The offset is not subtracted here: it is folded into the per-segment
+// zero-point correction (see `compute`), which saves one instruction per pair.
 template <bool kBF16, int BITS>
-__device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s) {
-  constexpr uint32_t kMask = ((1u << BITS) - 1u) * 0x00010001u;
-  const uint32_t shifted = word >> (BITS * s);
-  if constexpr (kBF16 && BITS == 8) {
-    // bf16 holds 128 + q exactly only for q < 128: convert the low 7 bits that way and add
-    // bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16.
-    const uint32_t low = ptx::and_or(shifted, 0x007f007fu, Num<true>::kMagic);
-    const uint32_t high = ((shifted >> 7) & 0x00010001u) * 0x4300u;
-    return Num<true>::add(Num<true>::sub(low, Num<true>::kMagic), high);
-  } else {
-    return Num<kBF16>::sub(ptx::and_or(shifted, kMask, Num<kBF16>::kMagic), Num<kBF16>::kMagic);
+struct Unpack {
+  // bf16 holds 128 + q exactly only for q < 128: 8-bit bf16 converts the low 7 bits that way,
+  // subtracts the 128 and adds bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16.
+  static constexpr float kOffset = (kBF16 && BITS == 8) ? 0.f : kBF16 ? 128.f : 1024.f;
+  static __device__ __forceinline__ uint32_t pair(uint32_t word, int s) {
+    constexpr uint32_t kMask = ((1u << BITS) - 1u) * 0x00010001u;
+    const uint32_t shifted = word >> (BITS * s);
+    if constexpr (kBF16 && BITS == 8) {
+      const uint32_t low = ptx::and_or(shifted, 0x007f007fu, Num<true>::kMagic);
+      const uint32_t high = ((shifted >> 7) & 0x00010001u) * 0x4300u;
+      return Num<true>::add(Num<true>::sub(low, Num<true>::kMagic), high);
+    } else {
+      return ptx::and_or(shifted, kMask, Num<kBF16>::kMagic);
+    }
   }
-}
+};
 
 // A lane's BITS words at byte `offset` of swizzled row `r` (whose first byte is `row`).
 template <int BITS>
@@ -229,42 +235,79 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
   const int my_row = warp * 16 + g;  // and my_row + 8
+  // Scale and zero are applied per segment (128/NG columns, inside one group) on the fp32
+  // accumulators instead of per weight: for one row and token,
+  //   sum_k (q_k - z) s x_k = s * (sum_k (kOffset + q_k) x_k - (kOffset + z) * sum_k x_k),
+  // so the tensor cores multiply the raw kOffset + q straight out of the LOP3, a second mma per
+  // 16 tokens against a ones matrix (reusing the B-fragment registers as its A operand) gives
+  // sum_k x_k, and each segment ends with two FFMA per accumulator. Exactness: kOffset + q and
+  // x are exact fp16/bf16 inputs, their products and sums are fp32 over at most 128 columns.
+  constexpr int kXTiles = BN >= 16 ? BN / 16 : 1;  // 16-token groups of the x-sum mma
+  constexpr uint32_t kOnes = kBF16 ? 0x3f803f80u : 0x3c003c00u;
   auto compute = [&](int stage) {
     const unsigned char* st = smem + stage * L::kStageBytes;
     const uint32_t xs = ptx::smem_addr(st + L::kXOffset) + (g * L::kXStride + 4 * t) * 2;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       uint32_t w[2][BITS];
-      uint32_t scale2[NG][2], nzs2[NG][2];  // half2 (s, s) and (-z*s, -z*s)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2; ++h)
         load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h, u * (kRowBytes / U) + 4 * BITS * t);
 #pragma unroll
-        for (int j = 0; j < NG; ++j) {
-          const uint32_t sz =
-              *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
-          const float s = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
-          const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
-          scale2[j][h] = Num<kBF16>::splat(s);
-          nzs2[j][h] = Num<kBF16>::splat(-z * s);
-        }
-      }
+      for (int j = 0; j < NG; ++j) {
+        float part[BN / 8][4], xsum[kXTiles][4];
 #pragma unroll
-      for (int tile = 0; tile < 8; ++tile) {
-        const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord), j = tile / (8 / NG);
-        uint32_t a[4];
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
+#pragma unroll
+        for (int p = 0; p < kXTiles; ++p)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xsum[p][e] = 0.f;
+#pragma unroll
+        for (int tile = j * (8 / NG); tile < (j + 1) * (8 / NG); ++tile) {
+          const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
+          uint32_t a[4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            a[h] = Unpack<kBF16, BITS>::pair(w[h][wi], s0);
+            a[h + 2] = Unpack<kBF16, BITS>::pair(w[h][wi], s0 + 1);
+          }
+          uint32_t b[BN / 8][2];
+#pragma unroll
+          for (int nb = 0; nb < BN / 8; ++nb) {
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
+                         : "=r"(b[nb][0]), "=r"(b[nb][1])
+                         : "r"(xs + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2));
+            ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
+          }
+#pragma unroll
+          for (int p = 0; p < kXTiles; ++p) {
+            // A = x rows (tokens 16p + g and 16p + 8 + g): exactly the B fragments just loaded.
+            const uint32_t hi0 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][0] : 0u;
+            const uint32_t hi1 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][1] : 0u;
+            const uint32_t ax[4] = {b[2 * p % (BN / 8)][0], hi0, b[2 * p % (BN / 8)][1], hi1};
+            ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
+          }
+        }
+        // Segment end: acc += s * part - s * (kOffset + z) * xsum, per row h and token.
+        float sc[2], cz[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          a[h] = Num<kBF16>::fma(unpack_pair<kBF16, BITS>(w[h][wi], s0), scale2[j][h], nzs2[j][h]);
-          a[h + 2] = Num<kBF16>::fma(unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1), scale2[j][h], nzs2[j][h]);
+          const uint32_t sz =
+              *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
+          sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
+          cz[h] = sc[h] * (Unpack<kBF16, BITS>::kOffset + Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16)));
         }
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
-          uint32_t b0, b1;
-          asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
-                       : "=r"(b0), "=r"(b1)
-                       : "r"(xs + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2));
-          ptx::mma_m16n8k16<kBF16>(acc[nb], a, b0, b1);
+          // Token nb*8 + 2t + e's sum sits in xsum[nb/2] row (nb%2)*8 + 2t + e, column 0: lane
+          // 4*(2t+e), register 0 (rows 0-7) or 2 (rows 8-15).
+          float xt[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) xt[e] = __shfl_sync(0xffffffffu, xsum[nb / 2][(nb % 2) * 2], 4 * (2 * t + e));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(sc[e / 2], part[nb][e], fmaf(-cz[e / 2], xt[e % 2], acc[nb][e]));
         }
       }
     }

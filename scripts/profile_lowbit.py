@@ -23,13 +23,16 @@ dev = torch.device("cuda")
 flush = _l2_flush_buffer(dev)
 
 
-def event_time(fn, headroom_cycles=0, reps=30):
+def event_time(fn, headroom_cycles=0, reps=30, dirty=False):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        flush.zero_()
+        if dirty:
+            flush.zero_()
+        else:
+            torch.sum(flush, dtype=torch.int32)
         if headroom_cycles:
             torch.cuda._sleep(headroom_cycles)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -63,11 +66,16 @@ for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:
     dense = lambda: F.linear(x, w)  # noqa: E731
     print(f"{m}x{k} {bits}-bit g{group} N=1: host us/call wrapper {host_time(wrapper):.1f}, direct op "
           f"{host_time(direct):.1f}, F.linear {host_time(dense):.1f}")
-    print(f"  event us: wrapper {event_time(wrapper):.1f} / with headroom {event_time(wrapper, 2_000_000):.1f}; "
-          f"direct {event_time(direct, 2_000_000):.1f}; cuBLAS {event_time(dense, 2_000_000):.1f}")
+    wbytes = q.storage_bytes().total
+    buf = torch.empty(wbytes // 4, dtype=torch.int32, device=dev)
+    read = lambda: torch.sum(buf, dtype=torch.int32)  # noqa: E731
+    for dirty in (True, False):
+        print(f"  event us ({'written' if dirty else 'read'} L2 flush, headroom): lowbit {event_time(direct, 200_000, dirty=dirty):.1f}; "
+              f"cuBLAS {event_time(dense, 200_000, dirty=dirty):.1f}; torch.sum over the same {wbytes / 1e6:.0f} MB "
+              f"{event_time(read, 200_000, dirty=dirty):.1f}")
     sweep = []
     for s in (1, 2, 3, 4, 6, 8, 12, 16):
         os.environ["SPINFER_LOWBIT_SPLITS"] = str(s)
-        sweep.append(f"{s}:{event_time(direct, 2_000_000):.1f}")
+        sweep.append(f"{s}:{event_time(direct, 200_000):.1f}")
     os.environ.pop("SPINFER_LOWBIT_SPLITS")
     print("  splits sweep (direct, headroom): " + " ".join(sweep), flush=True)

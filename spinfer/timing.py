@@ -1,7 +1,7 @@
 """One way to time an op, shared by the demo and the benchmarks.
 
 CPU: host clock around each call.  CUDA: events around each call after warm-up, with an
-optional L2 flush (writing a buffer larger than L2) before every timed call so weights that
+optional L2 flush (reading a buffer larger than L2) before every timed call so weights that
 would fit in L2 are read from HBM as they are in a real model.  Median of the repeats.
 
 CUDA times are device times: after the flush a short spin kernel (~100 us) gives the host time
@@ -30,6 +30,12 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return _FLUSH[key]
 
 
+def _flush_l2(buf: torch.Tensor) -> None:
+    # Read, not write: a written buffer leaves L2 full of dirty lines whose write-back then
+    # competes with the timed call's reads.
+    torch.sum(buf, dtype=torch.int32)
+
+
 def median_time(
     fn: Callable[[], object],
     device: torch.device,
@@ -50,7 +56,7 @@ def median_time(
         flush = _l2_flush_buffer(device) if flush_l2 else None
         for _ in range(reps):
             if flush is not None:
-                flush.zero_()
+                _flush_l2(flush)
             torch.cuda._sleep(_HEADROOM_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -133,27 +133,25 @@ struct Num<true> {
   }
 };
 
-// Values s and s + V/2 of a packed word as a half2/bfloat162 holding kOffset + q exactly, with
-// one LOP3: the magic-number conversion (0x6400 | q is 1024 + q in fp16, 0x4300 | q is
-// 128 + q in bf16). The offset is not subtracted here: it is folded into the per-segment
-// zero-point correction (see `compute`), which saves one instruction per pair.
+// Values s and s + V/2 of a packed word as an exact half2/bfloat162 of q: one LOP3 (the
+// magic-number conversion: 0x6400 | q is 1024 + q in fp16, 0x4300 | q is 128 + q in bf16) and
+// one HSUB2 of the magic. Feeding 1024 + q to the tensor cores and correcting per segment
+// would save the HSUB2, but measured on H100 it loses ~3 digits to the accumulation of the
+// large offset (1-bit rows failed the 2e-3 bound) and did not change the kernel's speed.
 template <bool kBF16, int BITS>
-struct Unpack {
-  // bf16 holds 128 + q exactly only for q < 128: 8-bit bf16 converts the low 7 bits that way,
-  // subtracts the 128 and adds bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16.
-  static constexpr float kOffset = (kBF16 && BITS == 8) ? 0.f : kBF16 ? 128.f : 1024.f;
-  static __device__ __forceinline__ uint32_t pair(uint32_t word, int s) {
-    constexpr uint32_t kMask = ((1u << BITS) - 1u) * 0x00010001u;
-    const uint32_t shifted = word >> (BITS * s);
-    if constexpr (kBF16 && BITS == 8) {
-      const uint32_t low = ptx::and_or(shifted, 0x007f007fu, Num<true>::kMagic);
-      const uint32_t high = ((shifted >> 7) & 0x00010001u) * 0x4300u;
-      return Num<true>::add(Num<true>::sub(low, Num<true>::kMagic), high);
-    } else {
-      return ptx::and_or(shifted, kMask, Num<kBF16>::kMagic);
-    }
+__device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s) {
+  constexpr uint32_t kMask = ((1u << BITS) - 1u) * 0x00010001u;
+  const uint32_t shifted = word >> (BITS * s);
+  if constexpr (kBF16 && BITS == 8) {
+    // bf16 holds 128 + q exactly only for q < 128: convert the low 7 bits that way and add
+    // bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16.
+    const uint32_t low = ptx::and_or(shifted, 0x007f007fu, Num<true>::kMagic);
+    const uint32_t high = ((shifted >> 7) & 0x00010001u) * 0x4300u;
+    return Num<true>::add(Num<true>::sub(low, Num<true>::kMagic), high);
+  } else {
+    return Num<kBF16>::sub(ptx::and_or(shifted, kMask, Num<kBF16>::kMagic), Num<kBF16>::kMagic);
   }
-};
+}
 
 // A lane's BITS words at byte `offset` of swizzled row `r` (whose first byte is `row`).
 template <int BITS>
@@ -237,11 +235,10 @@ __global__ void __launch_bounds__(kThreads)
   const int my_row = warp * 16 + g;  // and my_row + 8
   // Scale and zero are applied per segment (128/NG columns, inside one group) on the fp32
   // accumulators instead of per weight: for one row and token,
-  //   sum_k (q_k - z) s x_k = s * (sum_k (kOffset + q_k) x_k - (kOffset + z) * sum_k x_k),
-  // so the tensor cores multiply the raw kOffset + q straight out of the LOP3, a second mma per
-  // 16 tokens against a ones matrix (reusing the B-fragment registers as its A operand) gives
-  // sum_k x_k, and each segment ends with two FFMA per accumulator. Exactness: kOffset + q and
-  // x are exact fp16/bf16 inputs, their products and sums are fp32 over at most 128 columns.
+  //   sum_k (q_k - z) s x_k = s * (sum_k q_k x_k - z * sum_k x_k),
+  // so the tensor cores multiply the exact integers q, a second mma per 16 tokens against a
+  // ones matrix (reusing the B-fragment registers as its A operand) gives sum_k x_k, and each
+  // segment ends with two FFMA per accumulator: fp32 scale and zero, no fp16 rounding of w.
   constexpr int kXTiles = BN >= 16 ? BN / 16 : 1;  // 16-token groups of the x-sum mma
   constexpr uint32_t kOnes = kBF16 ? 0x3f803f80u : 0x3c003c00u;
   auto compute = [&](int stage) {
@@ -270,8 +267,8 @@ __global__ void __launch_bounds__(kThreads)
           uint32_t a[4];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            a[h] = Unpack<kBF16, BITS>::pair(w[h][wi], s0);
-            a[h + 2] = Unpack<kBF16, BITS>::pair(w[h][wi], s0 + 1);
+            a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0);
+            a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1);
           }
           uint32_t b[BN / 8][2];
 #pragma unroll
@@ -297,7 +294,7 @@ __global__ void __launch_bounds__(kThreads)
           const uint32_t sz =
               *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
           sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
-          cz[h] = sc[h] * (Unpack<kBF16, BITS>::kOffset + Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16)));
+          cz[h] = sc[h] * Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
         }
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {

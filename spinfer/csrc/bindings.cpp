@@ -201,7 +201,14 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   a.m = static_cast<int>(m);
   a.n = static_cast<int>(n);
   a.kp = static_cast<int>(kp);
-  a.group_size = static_cast<int>(group_size);
+  // Group sizes are 32..256 (powers of two) or K (per-channel: one group, shifted to index 0).
+  int shift = 30;
+  if (groups > 1) {
+    TORCH_CHECK_VALUE((group_size & (group_size - 1)) == 0, "group_size must be a power of two, got ", group_size);
+    shift = 0;
+    while ((int64_t(1) << shift) < group_size) ++shift;
+  }
+  a.group_shift = shift;
   a.groups = static_cast<int>(groups);
   a.bits = static_cast<int>(bits);
   a.bf16 = bf16;

@@ -1,6 +1,5 @@
 // Planning and dispatch of the fused low-bit kernel: tile width by N, split-K by occupancy.
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -49,24 +48,18 @@ cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s)
   }
 }
 
-// Split-K factor. The kernel streams each weight byte once: it is fast when every block is
-// resident at once (no tail wave) and enough copies are in flight to cover HBM latency. So:
-// the most splits whose blocks still fit in one wave, keeping at least 4 stages per split so
-// the pipeline prologue and the partial-tile reduction stay small; if even one split does not
-// fit, the split count whose last wave is fullest.
-int choose_splits(int base_blocks, int slots, int total_iters) {
+// Split-K factor, from same-process sweeps on H100 (docs/kernels.md). Splitting costs ~5 us
+// (the counter reset and the partial-tile reduction), which is a fifth of a 4096-wide layer,
+// so a layer that already gives every SM a block runs unsplit (14336x4096 at 4 bits: 26 us
+// unsplit, 31-36 us split). Narrower layers split to ~2.5 blocks per SM (4096x14336: 65 us
+// unsplit, 29 us with 4-8 splits; 8192x28672: 126 us unsplit, 75 us with 3-4), keeping at
+// least 4 stages per split and every block resident.
+int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
+  if (base_blocks >= sms) return 1;
   constexpr int kMinItersPerSplit = 4;
-  const int max_splits = std::max(1, total_iters / kMinItersPerSplit);
-  if (base_blocks <= slots) return std::max(1, std::min(slots / base_blocks, max_splits));
-  int best = 1;
-  double best_cost = 1e30;
-  for (int s = 1; s <= std::min(max_splits, 16); ++s) {
-    const double blocks = double(base_blocks) * s;
-    const double waves = std::ceil(blocks / slots);
-    const double cost = waves * slots / blocks * (1.0 + 0.02 * s);  // idle slot fraction, reduction
-    if (cost < best_cost - 1e-9) best = s, best_cost = cost;
-  }
-  return best;
+  const int want = (5 * sms + 2 * base_blocks - 1) / (2 * base_blocks);
+  const int fit = std::max(1, slots / base_blocks);
+  return std::max(1, std::min({want, fit, std::max(1, total_iters / kMinItersPerSplit)}));
 }
 
 }  // namespace
@@ -87,7 +80,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
-  int splits = choose_splits(p.row_blocks * p.n_tiles, sms * p.blocks_per_sm, total_iters);
+  int splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * p.blocks_per_sm, total_iters);
   if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) {
     const int forced = std::atoi(env);
     if (forced > 0) splits = std::min(forced, total_iters);

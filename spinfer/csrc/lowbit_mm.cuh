@@ -4,10 +4,10 @@
 // Read top to bottom:
 //  * One block of 4 warps owns 64 output rows and a tile of BN tokens; warp w owns rows
 //    16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a split-K share).
-//  * A 4-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
+//  * A 3-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
 //    tile (one contiguous 4..8 KB span: the format stores 64-row x stage tiles), their
-//    (scale, zero) pairs and the matching activation slice to shared memory, so 3 stages of
-//    weight bytes are always in flight: the kernel streams each weight byte once and is fast
+//    (scale, zero) pairs and the matching activation slice to shared memory, so 2 stages of
+//    weight bytes per block are always in flight: the kernel streams each weight byte once and is fast
 //    only if HBM never waits on it. Contiguous tiles matter: with row-major weights each
 //    stage touched 64 separate 128-byte spans and HBM delivered 1.0-1.8 TB/s instead of ~2.7.
 //  * The packed format puts, inside every 128-column chunk of a row, lane t's values for the
@@ -38,7 +38,7 @@ constexpr int kChunk = 128;   // K columns per chunk: 8 k16 tiles
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBlockRows = 16 * kWarps;
-constexpr int kStages = 4;
+constexpr int kStages = 3;  // 2 stages in flight: 5 resident blocks at 4 bits measured better than 4 x 3
 
 // Chunks per stage: 256 columns (128 at 8 bits) keep a stage's weights at 4..8 KB per block.
 template <int BITS>
@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * BN;
+  const int valid_rows = min(BN, args.n - n0);
   const int m_base = blockIdx.y * kBlockRows;
   const int split = blockIdx.z;
   const int total_iters = (chunks + U - 1) / U;
@@ -208,8 +209,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int p = tid; p < kBlockRows * L::kPairs; p += kThreads) {
       const int r = p / L::kPairs, u = p % L::kPairs / NG, j = p % NG;
       const int row = m_base + r;
-      // Group of the chunk's tiles j*8/NG ..; per-channel groups (size K) give 0.
-      const int grp = min(((c0 + u) * kChunk + j * (kChunk / NG)) / args.group_size, args.groups - 1);
+      // Group of the chunk's tiles j*8/NG ..: group sizes are powers of two, and per-channel
+      // groups (size K) come with a shift that gives 0; padding columns clamp to the last.
+      const int grp = min(((c0 + u) * kChunk + j * (kChunk / NG)) >> args.group_shift, args.groups - 1);
       const bool ok = row < args.m && c0 + u < chunks;
       const uint32_t* src = reinterpret_cast<const uint32_t*>(args.scale_zero) +
                             (ok ? static_cast<int64_t>(row) * args.groups + grp : 0);
@@ -217,9 +219,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     constexpr int kXPieces = L::kCols / 8;
     const int k0 = c0 * kChunk;
-    for (int p = tid; p < BN * kXPieces; p += kThreads) {
+    for (int p = tid; p < valid_rows * kXPieces; p += kThreads) {  // rows past N stay zero
       const int r = p / kXPieces, col = (p % kXPieces) * 8;
-      const bool ok = n0 + r < args.n && k0 + col < args.kp;
+      const bool ok = k0 + col < args.kp;
       const char* src =
           static_cast<const char*>(args.x) + (ok ? (static_cast<int64_t>(n0 + r) * args.kp + k0 + col) * 2 : 0);
       ptx::cp_async_cg_16(st + L::kXOffset + (r * L::kXStride + col) * 2, src, ok);
@@ -310,8 +312,15 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
 
-  // Stage i is consumed while stages i+1 .. i+3 are in flight. A group is committed every
-  // iteration (empty near the end) so wait_group's count stays uniform.
+  // Token rows past N are zeroed once in every stage and never copied (at N = 1 that is 7 of
+  // the 8 rows of the x tile).
+  for (int idx = tid; idx < kStages * (BN - valid_rows) * L::kXStride / 2; idx += kThreads) {
+    const int per_stage = (BN - valid_rows) * L::kXStride / 2;
+    reinterpret_cast<uint32_t*>(smem + (idx / per_stage) * L::kStageBytes + L::kXOffset +
+                                valid_rows * L::kXStride * 2)[idx % per_stage] = 0u;
+  }
+  // Stage i is consumed while stage i+1 is in flight. A group is committed every iteration
+  // (empty near the end) so wait_group's count stays uniform.
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
     if (st < iters) issue(st, st);

@@ -17,7 +17,7 @@ struct LowbitArgs {
   float* workspace;        // split-K partial tiles (plan.workspace_floats), or nullptr
   int32_t* counters;       // split-K arrival counters (plan.counters), zero on entry
   int m, n, kp;
-  int group_size;          // columns per group (K itself when per-channel)
+  int group_shift;         // log2(group size); 30 for per-channel groups (one group: shift to 0)
   int groups;              // K / group_size
   int bits;
   bool bf16;

@@ -2,7 +2,8 @@
 
 For each (M, K), N and configuration (bits, group): median time with the L2 flushed before
 every call of cuBLAS fp16 (F.linear on the dense weight), spinfer.lowbit_mm (the dispatch:
-fused kernel for N <= FUSED_MAX_N, dequantize + cuBLAS above) and, for 4-bit g128, torch's
+fused kernel for N <= FUSED_MAX_N, dequantize + cuBLAS above; the fused kernel is also timed
+above FUSED_MAX_N, the "fused us" column, to place the crossover) and, for 4-bit g128, torch's
 ``aten._weight_int4pack_mm`` (tinygemm; bf16 activations, which is what it accepts on CUDA).
 Reports ratios to cuBLAS and the fused kernel's bandwidth (packed weight + scales + zeros + x +
 y bytes over time) against the measured copy bandwidth.
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
           f"L2 flushed before every call; median of {a.reps}; fused kernel for N <= "
           f"{FUSED_MAX_N}")
     print(f"{'M':>6} {'K':>6} {'N':>4} {'bits':>4} {'group':>5} {'cuBLAS us':>10} {'lowbit us':>9} {'x cuBLAS':>8} "
-          f"{'GB/s':>6} {'% copy':>6} {'int4 us':>8} {'x cuBLAS':>8}")
+          f"{'GB/s':>6} {'% copy':>6} {'int4 us':>8} {'x cuBLAS':>8} {'fused us':>8}")
     rows = []
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
@@ -115,19 +116,22 @@ def main(argv=None) -> int:
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
                 t_dense = median_time(lambda: F.linear(x, dense), dev, reps=a.reps)
                 t_q = median_time(lambda: spinfer.lowbit_mm(x, q), dev, reps=a.reps)
+                out = torch.empty(n, m, device=dev, dtype=x.dtype)
+                t_f = t_q if n <= FUSED_MAX_N else median_time(lambda: spinfer.lowbit_mm(x, q, out=out), dev, reps=a.reps)
                 t_i4 = None
                 if (bits, group) == (4, 128):
                     fn = torch_int4(x.bfloat16(), m, k, gen)
                     t_i4 = median_time(fn, dev, reps=a.reps) if fn else None
                 moved = wbytes + 2 * n * k + 2 * n * m
                 r = dict(M=m, K=k, N=n, bits=bits, group=group, cublas_us=t_dense * 1e6, lowbit_us=t_q * 1e6,
+                         fused_us=t_f * 1e6,
                          speedup=t_dense / t_q, gbps=moved / t_q / 1e9, pct_copy=100 * moved / t_q / bw,
                          int4_us=None if t_i4 is None else t_i4 * 1e6,
                          int4_speedup=None if t_i4 is None else t_dense / t_i4, rel_err_vs_dequant=err, device=name)
                 rows.append(r)
                 i4 = f"{r['int4_us']:>8.1f} {r['int4_speedup']:>8.2f}" if t_i4 else f"{'-':>8} {'-':>8}"
                 print(f"{m:>6} {k:>6} {n:>4} {bits:>4} {group:>5} {r['cublas_us']:>10.1f} {r['lowbit_us']:>9.1f} "
-                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {i4}", flush=True)
+                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {i4} {r['fused_us']:>8.1f}", flush=True)
                 if err > 2e-3:  # a fast wrong answer is not a result: say so on the row
                     print(f"  WARNING: lowbit_mm differs from the dequantized reference by {err:.2e}", flush=True)
     print_summary(rows)

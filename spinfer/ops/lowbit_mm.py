@@ -3,8 +3,10 @@
 
 CPU: the reference (dequantize, multiply in fp32). CUDA: for ``N <= FUSED_MAX_N`` the fused
 kernel (``spinfer::lowbit_mm_out``, spinfer/csrc/lowbit_mm.cuh), which dequantizes in
-registers straight into tensor-core fragments; above it, dequantize on the GPU and call cuBLAS,
-which wins once the multiply is compute-bound (crossover measured by benchmarks/bench_lowbit.py).
+registers straight into tensor-core fragments; above it, dequantize on the GPU and call cuBLAS.
+The dequantization is torch ops today (4.7 ms for 28672x8192 on H100), so the fused kernel
+wins at every N measured (970 us at N = 256); the crossover waits for a CUDA dequantize
+kernel (docs/quant.md).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from ..quant.lowbit import LowBitWeight, dequantize
 from . import library  # noqa: F401  (defines the schemas)
 from .linear_input import check_op_inputs, flatten_input
 
-# Largest N served by the fused kernel; dequantize + cuBLAS above. Never below 32 (issue 4).
-FUSED_MAX_N = 64
+# Largest N served by the fused kernel; dequantize + cuBLAS above. Never below 32 (issue 4);
+# 256 is the largest N measured (benchmarks/bench_lowbit.py), where fused still won 5x.
+FUSED_MAX_N = 256
 
 
 def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accumulate=torch.float32):

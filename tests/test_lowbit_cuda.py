@@ -146,3 +146,19 @@ def test_bad_input_is_rejected_before_launch():
         spinfer.lowbit_mm(torch.randn(2, 256, device="cuda").half(), q, out=torch.empty(3, 64, device="cuda").half())
     with pytest.raises(ValueError, match="cpu|cuda"):
         spinfer.lowbit_mm(torch.randn(2, 256).half(), q)
+
+
+def test_sparse_linear_lowbit_first_call_inside_a_cuda_graph():
+    # the policy must decide without syncing or touching TCA-BME-only state while capturing
+    lin = torch.nn.Linear(512, 300, bias=True).cuda().half()
+    layer = spinfer.SparseLinear.from_linear(lin, quant="w4", policy="lowbit")
+    x = torch.randn(2, 512, device="cuda").half()
+    spinfer.lowbit_mm(x, layer.weight_object())  # build the extension outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = reference(x, layer.weight_object(), layer.bias)
+    assert rel_err(y, ref) <= 2e-3

@@ -1,10 +1,11 @@
-"""``spinfer bench {spmm,lowbit,compression,roofline}``: run a study, print its table, and write CSV and
+"""``spinfer bench {spmm,lowbit,e2e,compression,roofline}``: run a study, print its table, and write CSV and
 PNG files into a results folder.
 
     spinfer bench compression [--shape 4096x4096] [--quick] [--out results]
     spinfer bench roofline --csv results/spmm.csv [--bandwidth GBPS --flops TFLOPS | --measure]
     spinfer bench spmm [--quick] [--csv results/spmm.csv]          (needs a CUDA GPU)
     spinfer bench lowbit [--quick] [--csv results/lowbit.csv]      (needs a CUDA GPU)
+    spinfer bench e2e [--layers 4] [--batches 1,8,16]              (CUDA; --tiny --device cpu smoke run)
 """
 
 from __future__ import annotations
@@ -81,9 +82,6 @@ def run_roofline(argv) -> int:
     return 0
 
 
-NOT_YET = {
-    "e2e": "the end-to-end decode benchmark is not written yet",
-}
 
 
 def main(argv=None) -> int:
@@ -97,15 +95,16 @@ def main(argv=None) -> int:
         from .spmm import main as spmm_main
 
         return spmm_main(rest)
+    if study == "e2e":
+        from .e2e import main as e2e_main
+
+        return e2e_main(rest)
     if study == "lowbit":
         from .lowbit import main as lowbit_main
 
         return lowbit_main(rest)
-    if study in NOT_YET:
-        print(f"spinfer bench {study}: not available yet: {NOT_YET[study]}", file=sys.stderr)
-        return 2
     if study not in studies:
-        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, compression, roofline", file=sys.stderr)
+        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, e2e, compression, roofline", file=sys.stderr)
         return 2
     try:
         return studies[study](rest)

@@ -193,7 +193,8 @@ class SparseLinear(nn.Module):
         if tracing:
             prof = P.DeviceProfile()
             m, k = self.out_features, self.in_features
-            ngt = self.weight_object().geometry.num_group_tiles
+            w = self.weight_object()
+            ngt = w.geometry.num_group_tiles if self.format == "tca-bme" else 0
             times = {kern: P.predict(kern, m, k, bucket, self.memory_bytes(), prof, ngt) for kern in kernels}
             return min(times, key=times.get)
         if self.policy == "autotune" and key not in self._measured:

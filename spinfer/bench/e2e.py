@@ -1,0 +1,198 @@
+"""Greedy decoding through a stack of Llama-shaped decoder layers, dense fp16 against the same
+stack sparsified (50%, 70%, magnitude, policy "auto") and quantized to 4-bit g128.
+
+Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
+and SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
+download. One decode step for a batch (1, 8, 16 sequences) is captured in a CUDA graph and
+replayed; tokens per second = batch * steps / time. Attention, norms and everything else are
+the same module instances in every variant; only the nn.Linear layers are replaced.
+
+    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64]
+    python benchmarks/bench_e2e.py ...      (same)
+    spinfer bench e2e --tiny --device cpu   (a small smoke run of the same code, no graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spinfer
+from spinfer.nn import SparseLinear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5)
+
+
+class DecoderLayer(nn.Module):
+    """Llama decoder layer for one-token steps against a static KV cache."""
+
+    def __init__(self, hidden, inter, heads, kv_heads, max_len, batch):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.hd, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.hd, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
+        self.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, self.hd))
+        self.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, self.hd))
+
+    def forward(self, x, pos, mask):  # x [B, 1, H]; pos: 1-element long tensor; mask [1, 1, 1, L]
+        b = x.shape[0]
+        h = self.norm1(x)
+        q = self.q_proj(h).view(b, 1, self.heads, self.hd).transpose(1, 2)
+        k = self.k_proj(h).view(b, 1, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v_proj(h).view(b, 1, self.kv_heads, self.hd).transpose(1, 2)
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        rep = self.heads // self.kv_heads
+        kk = self.k_cache.repeat_interleave(rep, dim=1)
+        vv = self.v_cache.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, 1, -1))
+        h = self.norm2(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers, hidden, inter, heads, kv_heads, max_len, batch):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(hidden, inter, heads, kv_heads, max_len, batch)
+                                    for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.max_len = max_len
+
+    def forward(self, x, pos):
+        mask = (torch.arange(self.max_len, device=x.device) <= pos).view(1, 1, 1, -1)
+        for layer in self.layers:
+            x = layer(x, pos, mask)
+        return self.norm(x)
+
+
+def linear_bytes(model) -> int:
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, SparseLinear):
+            total += mod.memory_bytes()
+        elif isinstance(mod, nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+def formats(model, n: int) -> str:
+    """Stored format and the kernel chosen at n tokens, counted over the wrapped layers."""
+    c = Counter()
+    for mod in model.modules():
+        if isinstance(mod, SparseLinear):
+            c[f"{mod.format}->{mod.choose(n)}"] += 1
+    return ", ".join(f"{v} {k}" for k, v in sorted(c.items())) or "dense nn.Linear"
+
+
+def decode_rate(model, batch, hidden, steps, device, graphs: bool) -> float:
+    """Tokens per second of `steps` greedy steps (the step's output feeds the next step)."""
+    x = torch.randn(batch, 1, hidden, device=device, dtype=torch.float16)
+    pos = torch.zeros(1, dtype=torch.long, device=device)
+
+    def step():
+        y = model(x, pos)
+        x.copy_(y)
+        pos.add_(1)
+
+    with torch.no_grad():
+        for _ in range(3):  # warm up: kernels built, policy choices made and cached
+            step()
+        if device.type == "cuda" and graphs:
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            run = g.replay
+        else:
+            run = step
+        pos.zero_()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                run()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            seconds = time.perf_counter() - t0
+    return batch * steps / seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="spinfer bench e2e", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batches", default="1,8,16")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--variants", default="dense,sparse50,sparse70,w4")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="hidden 256, MLP 512, 8/2 heads: a smoke run")
+    p.add_argument("--no-graphs", action="store_true")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_e2e: needs a CUDA GPU (or --device cpu --tiny)", file=sys.stderr)
+        return 2
+    hidden, inter, heads, kv = (256, 512, 8, 2) if a.tiny else (4096, 14336, 32, 8)
+    batches = [int(v) for v in a.batches.split(",")]
+    variants = a.variants.split(",")
+    dtype = torch.float16
+    if device.type == "cuda":
+        spinfer.build.load_extension()
+        print(f"device {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    print(f"{a.layers} decoder layers, hidden {hidden}, MLP {inter}, {heads}/{kv} heads, {a.steps} greedy steps, "
+          f"{'CUDA graphs' if device.type == 'cuda' and not a.no_graphs else 'eager'}")
+    print(f"{'variant':<9} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
+    torch.manual_seed(0)
+    results = {}
+    for batch in batches:
+        base = Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, batch).to(device, dtype)
+        for name in variants:
+            model = copy.deepcopy(base) if name != "dense" else base
+            if name.startswith("sparse"):
+                spinfer.sparsify(model, int(name[6:]) / 100, method="magnitude", progress=False)
+            elif name == "w4":
+                spinfer.sparsify(model, 0.0, method="magnitude", quant="w4", policy="lowbit", progress=False)
+            elif name != "dense":
+                raise ValueError(f"unknown variant {name!r}")
+            rate = decode_rate(model, batch, hidden, a.steps, device, graphs=not a.no_graphs)
+            results[(name, batch)] = rate
+            ratio = rate / results[("dense", batch)] if ("dense", batch) in results else float("nan")
+            print(f"{name:<9} {batch:>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
+                  f"{formats(model, batch)}", flush=True)
+            if model is not base:
+                del model
+        del base
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""``spinfer bench {spmm,lowbit,e2e,compression,roofline}``: run a study, print its table, and write CSV and
+"""``spinfer bench {spmm,lowbit,e2e,policy,compression,roofline}``: run a study, print its table, and write CSV and
 PNG files into a results folder.
 
     spinfer bench compression [--shape 4096x4096] [--quick] [--out results]
@@ -6,6 +6,7 @@ PNG files into a results folder.
     spinfer bench spmm [--quick] [--csv results/spmm.csv]          (needs a CUDA GPU)
     spinfer bench lowbit [--quick] [--csv results/lowbit.csv]      (needs a CUDA GPU)
     spinfer bench e2e [--layers 4] [--batches 1,8,16]              (CUDA; --tiny --device cpu smoke run)
+    spinfer bench policy [--calibrate]                             (needs a CUDA GPU)
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def main(argv=None) -> int:
         from .spmm import main as spmm_main
 
         return spmm_main(rest)
+    if study == "policy":
+        from .policy import main as policy_main
+
+        return policy_main(rest)
     if study == "e2e":
         from .e2e import main as e2e_main
 
@@ -104,7 +109,7 @@ def main(argv=None) -> int:
 
         return lowbit_main(rest)
     if study not in studies:
-        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, e2e, compression, roofline", file=sys.stderr)
+        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, e2e, policy, compression, roofline", file=sys.stderr)
         return 2
     try:
         return studies[study](rest)

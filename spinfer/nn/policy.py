@@ -50,6 +50,11 @@ class DeviceProfile:
     # bytes/s of TCA-BME -> dense (or low-bit -> dense) with torch ops: an estimate, not a
     # measurement; calibrate() measures it
     decode_bandwidth: float = 4.0e11
+    # The fused low-bit kernel: bytes/s of its packed weight at N = 1, and the token count that
+    # doubles its time (fitted to bench_lowbit on H100: 28672x8192 4-bit 69 / ~110 / 161 /
+    # 285 us at N = 1 / 16 / 32 / 64). Not measured by calibrate().
+    lowbit_bandwidth: float = 1.8e12
+    lowbit_n_scale: float = 24.0
     measured: bool = False
 
     def gt_time(self, n: int) -> float:
@@ -72,8 +77,11 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
     if kernel == DECODE_DENSE:
         return (weight_bytes + 2 * m * k) / profile.decode_bandwidth + dense
     if kernel == LOWBIT:
-        # CUDA path today: dequantize with torch ops, then cuBLAS (docs/quant.md).
-        return (weight_bytes + 2 * m * k) / profile.decode_bandwidth + dense
+        from ..ops.lowbit_mm import FUSED_MAX_N
+
+        if n <= FUSED_MAX_N:  # the fused kernel re-reads the weight per 32-token tile
+            return (weight_bytes + io) / profile.lowbit_bandwidth * (1 + n / profile.lowbit_n_scale) + profile.launch
+        return (weight_bytes + 2 * m * k) / profile.decode_bandwidth + dense  # dequantize, then cuBLAS
     raise ValueError(f"unknown kernel {kernel!r}")
 
 

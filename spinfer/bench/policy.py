@@ -15,6 +15,7 @@ import torch
 import spinfer
 from spinfer.nn import SparseLinear
 from spinfer.nn import policy as P
+from spinfer.timing import median_time
 
 SHAPES = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]
 NS = [1, 8, 16, 32, 64, 128]
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     print(f"{'M':>6} {'K':>6} {'format':<12} {'N':>4} {'chosen':<13} {'fastest':<13} {'slowdown':>8}  measured us")
     cases = hits = 0
     worst = 1.0
+    stored_cases = stored_hits = 0
+    stored_lines = []
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m + k)
         dense = torch.randn(m, k, device=dev, generator=gen).half()
@@ -48,6 +51,16 @@ def main(argv=None) -> int:
             policy = "lowbit" if quant else "sparse"  # the format under test; kernels chosen per N
             layer = SparseLinear.from_weight(w, quant=quant, policy=policy)
             layer.policy = "auto"
+            # The storage decision (one format per layer, made for decode, N = 1): dense or TCA-BME.
+            auto_format = SparseLinear.from_weight(w, policy="auto").format
+            x1 = torch.randn(1, k, device=dev, dtype=w.dtype)
+            t_dense = median_time(lambda: torch.nn.functional.linear(x1, w), dev, reps=20)
+            t_sparse = median_time(lambda: spinfer.spmm(x1, layer.weight_object()), dev, reps=20)
+            best_format = "dense" if t_dense < t_sparse else "tca-bme"
+            stored_cases += 1
+            stored_hits += auto_format == best_format
+            stored_lines.append(f"  {m}x{k} {label}: stored {auto_format}, N=1 dense {t_dense * 1e6:.1f} us, "
+                                f"spmm {t_sparse * 1e6:.1f} us -> {'ok' if auto_format == best_format else 'MISS'}")
             for n in NS:
                 chosen = min((pred := layer.predicted(n, dev)), key=pred.get)
                 times = layer._time_candidates(n)
@@ -60,6 +73,9 @@ def main(argv=None) -> int:
                 print(f"{m:>6} {k:>6} {label:<12} {n:>4} {chosen:<13} {fastest:<13} {slow:>8.2f}  {meas}", flush=True)
     print(f"\npolicy picked the measured-fastest kernel in {hits}/{cases} cases ({100 * hits / cases:.0f}%); "
           f"worst slowdown where it missed {worst:.2f}x (issue 5: >= 90%, <= 1.10x)")
+    print("storage format chosen by policy='auto' against the faster of dense and SpMM at N = 1:")
+    print("\n".join(stored_lines))
+    print(f"policy stored the faster format for {stored_hits}/{stored_cases} layers")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Greedy decoding through a stack of Llama-shaped decoder layers, dense fp16 against the same
-stack sparsified (50%, 70%, magnitude, policy "auto") and quantized to 4-bit g128.
+stack sparsified (50%, 70%, magnitude; "sparseNN" with policy "auto", "spmmNN" with every
+layer forced to TCA-BME) and quantized to 4-bit g128.
 
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
 and SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batches", default="1,8,16")
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--variants", default="dense,sparse50,sparse70,w4")
+    p.add_argument("--variants", default="dense,sparse50,sparse70,spmm50,spmm70,w4")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="hidden 256, MLP 512, 8/2 heads: a smoke run")
     p.add_argument("--no-graphs", action="store_true")
@@ -175,8 +176,10 @@ def main(argv=None) -> int:
         base = Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, batch).to(device, dtype)
         for name in variants:
             model = copy.deepcopy(base) if name != "dense" else base
-            if name.startswith("sparse"):
+            if name.startswith("sparse"):  # policy "auto": the cost model stores each layer
                 spinfer.sparsify(model, int(name[6:]) / 100, method="magnitude", progress=False)
+            elif name.startswith("spmm"):  # every layer TCA-BME, whatever the cost model says
+                spinfer.sparsify(model, int(name[4:]) / 100, method="magnitude", policy="sparse", progress=False)
             elif name == "w4":
                 spinfer.sparsify(model, 0.0, method="magnitude", quant="w4", policy="lowbit", progress=False)
             elif name != "dense":

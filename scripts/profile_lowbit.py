@@ -8,14 +8,13 @@ the measurement), and a split-K sweep of the kernel alone.
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import spinfer
 from spinfer.quant import LowBitWeight
-from spinfer.timing import _l2_flush_buffer
+from spinfer.timing import _l2_flush_buffer, host_overhead
 
 bits, group = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (4, 128)
 spinfer.build.load_extension()
@@ -44,15 +43,8 @@ def event_time(fn, headroom_cycles=0, reps=30, dirty=False):
     return statistics.median(ts)
 
 
-def host_time(fn, reps=200):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / reps * 1e6
+def host_time(fn):
+    return host_overhead(fn, dev) * 1e6
 
 
 for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:

@@ -14,7 +14,6 @@ y bytes over time) against the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import spinfer
+from spinfer.bench import parse_shapes, write_rows
 from spinfer.ops.lowbit_mm import FUSED_MAX_N
 from spinfer.quant import LowBitWeight
 from spinfer.timing import copy_bandwidth, median_time
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         print("bench_lowbit: needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
+    shapes = parse_shapes(a.shapes) if a.shapes else SHAPES
     ns = [int(v) for v in a.ns.split(",")] if a.ns else (QUICK_NS if a.quick else NS)
     configs = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")] if a.configs else (
         QUICK_CONFIGS if a.quick else CONFIGS)
@@ -136,10 +136,7 @@ def main(argv=None) -> int:
                     print(f"  WARNING: lowbit_mm differs from the dequantized reference by {err:.2e}", flush=True)
     print_summary(rows)
     if a.csv:
-        with open(a.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+        write_rows(rows, a.csv)
     return 0
 
 

@@ -13,6 +13,7 @@ import sys
 import torch
 
 import spinfer
+from spinfer.bench import parse_shapes
 from spinfer.nn import SparseLinear
 from spinfer.nn import policy as P
 from spinfer.timing import median_time
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     spinfer.build.load_extension()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
+    shapes = parse_shapes(a.shapes) if a.shapes else SHAPES
     prof = P.calibrate(dev) if a.calibrate else P.profile_for(dev)
     print(f"device {torch.cuda.get_device_name(dev)}; profile: {prof.name} (measured={prof.measured})")
     print(f"{'M':>6} {'K':>6} {'format':<12} {'N':>4} {'chosen':<13} {'fastest':<13} {'slowdown':>8}  measured us")

@@ -10,7 +10,6 @@ time) against the device-to-device copy bandwidth measured here (bytes read + wr
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import spinfer
+from spinfer.bench import parse_shapes, write_rows
 from spinfer.format import TCABME
 from spinfer.timing import copy_bandwidth, median_time
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     dt = torch.float16 if a.dtype == "fp16" else torch.bfloat16
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else (
+    shapes = parse_shapes(a.shapes) if a.shapes else (
         QUICK_SHAPES if a.quick else SHAPES)
     ns = [int(v) for v in a.ns.split(",")] if a.ns else (QUICK_NS if a.quick else NS)
     sps = [float(v) for v in a.sparsities.split(",")] if a.sparsities else (
@@ -101,10 +101,7 @@ def main(argv=None) -> int:
                     print(f"  WARNING: spmm differs from cuBLAS by {err:.2e} (relative) on this case", flush=True)
     print_summary(rows)
     if a.csv:
-        with open(a.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+        write_rows(rows, a.csv)
     return 0
 
 

@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr uint32_t kOnes = kBF16 ? 0x3f803f80u : 0x3c003c00u;
   auto compute = [&](int stage) {
     const unsigned char* st = smem + stage * L::kStageBytes;
-    const uint32_t xs = ptx::smem_addr(st + L::kXOffset) + (g * L::kXStride + 4 * t) * 2;
+    const unsigned char* xrow = st + L::kXOffset + (g * L::kXStride + 4 * t) * 2;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       uint32_t w[2][BITS];
@@ -275,9 +275,9 @@ __global__ void __launch_bounds__(kThreads)
           uint32_t b[BN / 8][2];
 #pragma unroll
           for (int nb = 0; nb < BN / 8; ++nb) {
-            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
-                         : "=r"(b[nb][0]), "=r"(b[nb][1])
-                         : "r"(xs + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2));
+            // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
+            const uint2 v = *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2);
+            b[nb][0] = v.x, b[nb][1] = v.y;
             ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
           }
 #pragma unroll
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads)
             ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
           }
         }
-        // Segment end: acc += s * part - s * (kOffset + z) * xsum, per row h and token.
+        // Segment end: acc += s * part - s * z * xsum, per row h and token.
         float sc[2], cz[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

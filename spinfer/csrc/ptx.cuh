@@ -123,12 +123,14 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t par
 }
 
 // D = A * B + D, m16n8k16, A row-major 16x16 (4 regs), B column-major 16x8 (2 regs), fp32 acc.
+// Not volatile: the mma touches only registers, so the compiler may schedule shared loads and
+// dequantization of the next tile across it (volatile asm statements keep their order).
 template <bool kBF16>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 
 template <>
 __device__ __forceinline__ void mma_m16n8k16<false>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -137,7 +139,7 @@ __device__ __forceinline__ void mma_m16n8k16<false>(float (&d)[4], const uint32_
 
 template <>
 __device__ __forceinline__ void mma_m16n8k16<true>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

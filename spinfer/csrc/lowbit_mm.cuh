@@ -195,27 +195,50 @@ __global__ void __launch_bounds__(kThreads)
   // All threads: 16-byte copies of weights and activations, 4-byte copies of (scale, zero)
   // pairs. Weight tiles are padded to 64 rows and whole stages in the format; scales of rows
   // past M and tokens past N are zero-filled, so padded rows compute 0 and are never stored.
+  // Per-thread copy slots, fixed for the whole kernel: the loops below have compile-time trip
+  // counts and hoisted offsets, so a stage costs a few instructions per copy (a runtime-bounded
+  // `for (p = tid; ...)` version spent ~700 IMAD per stage on address arithmetic).
+  constexpr int kWPieces = kRowBytes / 16;
+  constexpr int kWCopies = kBlockRows * kWPieces / kThreads;
+  constexpr int kSzSlots = kBlockRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
+  constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
+  static_assert(kBlockRows * kWPieces % kThreads == 0, "whole weight copy rounds");
+  int w_dst[kWCopies];
+#pragma unroll
+  for (int i = 0; i < kWCopies; ++i) {
+    const int p = tid + i * kThreads, r = p / kWPieces, piece = p % kWPieces;
+    w_dst[i] = r * L::kWStride + (piece ^ piece_swizzle<BITS>(r)) * 16;
+  }
+  const unsigned char* w_src = reinterpret_cast<const unsigned char*>(args.qweight) +
+                               (static_cast<int64_t>(blockIdx.y) * total_iters + it_begin) * kBlockRows * kRowBytes +
+                               tid * 16;
+  const uint32_t* sz_row[kSzCopies];  // this slot's row of scale_zero (nullptr past M)
+  int sz_col[kSzCopies];              // its column offset inside the stage (u, j)
+#pragma unroll
+  for (int i = 0; i < kSzCopies; ++i) {
+    const int p = tid + i * kThreads, r = p / L::kPairs, u = p % L::kPairs / NG, j = p % NG;
+    sz_row[i] = p < kSzSlots && m_base + r < args.m
+                    ? reinterpret_cast<const uint32_t*>(args.scale_zero) + static_cast<int64_t>(m_base + r) * args.groups
+                    : nullptr;
+    sz_col[i] = u * kChunk + j * (kChunk / NG);
+  }
+
   auto issue = [&](int stage, int it) {
     unsigned char* st = smem + stage * L::kStageBytes;
     const int c0 = (it_begin + it) * U;  // first chunk of the stage
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
-    constexpr int kWPieces = kRowBytes / 16;
-    const unsigned char* tile = reinterpret_cast<const unsigned char*>(args.qweight) +
-                                (static_cast<int64_t>(blockIdx.y) * total_iters + it_begin + it) * kBlockRows * kRowBytes;
-    for (int p = tid; p < kBlockRows * kWPieces; p += kThreads) {
-      const int r = p / kWPieces, piece = p % kWPieces;
-      ptx::cp_async_cg_16(st + r * L::kWStride + (piece ^ piece_swizzle<BITS>(r)) * 16, tile + p * 16);
-    }
-    for (int p = tid; p < kBlockRows * L::kPairs; p += kThreads) {
-      const int r = p / L::kPairs, u = p % L::kPairs / NG, j = p % NG;
-      const int row = m_base + r;
-      // Group of the chunk's tiles j*8/NG ..: group sizes are powers of two, and per-channel
-      // groups (size K) come with a shift that gives 0; padding columns clamp to the last.
-      const int grp = min(((c0 + u) * kChunk + j * (kChunk / NG)) >> args.group_shift, args.groups - 1);
-      const bool ok = row < args.m && c0 + u < chunks;
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(args.scale_zero) +
-                            (ok ? static_cast<int64_t>(row) * args.groups + grp : 0);
-      ptx::cp_async_ca_4(st + L::kSzOffset + p * 4, src, ok);
+    const unsigned char* tile = w_src + static_cast<int64_t>(it) * kBlockRows * kRowBytes;
+#pragma unroll
+    for (int i = 0; i < kWCopies; ++i) ptx::cp_async_cg_16(st + w_dst[i], tile + i * kThreads * 16);
+#pragma unroll
+    for (int i = 0; i < kSzCopies; ++i) {
+      if (kSzSlots % kThreads != 0 && tid + i * kThreads >= kSzSlots) continue;  // no slot
+      // Group of the slot's columns: group sizes are powers of two, and per-channel groups
+      // (size K) come with a shift that gives 0; padding columns clamp to the last group.
+      const int col = c0 * kChunk + sz_col[i];
+      const bool ok = sz_row[i] != nullptr && col < args.kp;
+      const int grp = min(col >> args.group_shift, args.groups - 1);
+      ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
     }
     constexpr int kXPieces = L::kCols / 8;
     const int k0 = c0 * kChunk;

@@ -223,6 +223,17 @@ __global__ void __launch_bounds__(kThreads)
     sz_col[i] = u * kChunk + j * (kChunk / NG);
   }
 
+  constexpr int kXPieces = L::kCols / 8;  // 16-byte pieces per activation row per stage
+  constexpr int kXCopies = (BN * kXPieces + kThreads - 1) / kThreads;
+  int x_row[kXCopies], x_col[kXCopies], x_dst[kXCopies];
+#pragma unroll
+  for (int i = 0; i < kXCopies; ++i) {
+    const int p = tid + i * kThreads;
+    x_row[i] = p < BN * kXPieces ? p / kXPieces : BN;  // BN: no slot
+    x_col[i] = (p % kXPieces) * 8;
+    x_dst[i] = (x_row[i] * L::kXStride + x_col[i]) * 2;
+  }
+
   auto issue = [&](int stage, int it) {
     unsigned char* st = smem + stage * L::kStageBytes;
     const int c0 = (it_begin + it) * U;  // first chunk of the stage
@@ -240,14 +251,14 @@ __global__ void __launch_bounds__(kThreads)
       const int grp = min(col >> args.group_shift, args.groups - 1);
       ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
     }
-    constexpr int kXPieces = L::kCols / 8;
     const int k0 = c0 * kChunk;
-    for (int p = tid; p < valid_rows * kXPieces; p += kThreads) {  // rows past N stay zero
-      const int r = p / kXPieces, col = (p % kXPieces) * 8;
-      const bool ok = k0 + col < args.kp;
-      const char* src =
-          static_cast<const char*>(args.x) + (ok ? (static_cast<int64_t>(n0 + r) * args.kp + k0 + col) * 2 : 0);
-      ptx::cp_async_cg_16(st + L::kXOffset + (r * L::kXStride + col) * 2, src, ok);
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      if (x_row[i] >= valid_rows) continue;  // rows past N stay zero
+      const bool ok = k0 + x_col[i] < args.kp;
+      const char* src = static_cast<const char*>(args.x) +
+                        (ok ? (static_cast<int64_t>(n0 + x_row[i]) * args.kp + k0 + x_col[i]) * 2 : 0);
+      ptx::cp_async_cg_16(st + L::kXOffset + x_dst[i], src, ok);
     }
   };
 

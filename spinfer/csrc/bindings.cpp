@@ -21,6 +21,20 @@ struct Prepared {
   int64_t kp;
 };
 
+// Split-K scratch shared by the kernels' epilogue (epilogue.cuh): fp32 partial tiles and
+// arrival counters, zeroed here and re-armed by the last block of each tile.
+struct SplitK {
+  at::Tensor workspace, counters;
+  SplitK(int splits, int64_t floats, int64_t n_counters, const at::TensorOptions& options) {
+    if (splits > 1) {
+      workspace = at::empty({floats}, options.dtype(at::kFloat));
+      counters = at::zeros({n_counters}, options.dtype(at::kInt));
+    }
+  }
+  float* workspace_ptr() const { return workspace.defined() ? workspace.data_ptr<float>() : nullptr; }
+  int32_t* counters_ptr() const { return counters.defined() ? counters.data_ptr<int32_t>() : nullptr; }
+};
+
 // 16-byte cp.async needs 16-byte aligned bases; fresh allocations are, views may not be.
 at::Tensor aligned16(const at::Tensor& t) {
   at::Tensor c = t.contiguous();
@@ -80,11 +94,7 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
   const SpmmPlan plan = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap,
                                        p.x.get_device(), bf16);
-  at::Tensor workspace, counters;
-  if (plan.splits > 1) {
-    workspace = at::empty({plan.workspace_floats}, p.x.options().dtype(at::kFloat));
-    counters = at::zeros({plan.counters}, p.x.options().dtype(at::kInt));
-  }
+  const SplitK split(plan.splits, plan.workspace_floats, plan.counters, p.x.options());
   at::Tensor offsets = gtile_offset.contiguous();
   at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   SpmmArgs a{};
@@ -94,8 +104,8 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   a.gtile_offset = offsets.data_ptr<int32_t>();
   a.bias = bias ? b.data_ptr() : nullptr;
   a.y = y.data_ptr();
-  a.workspace = plan.splits > 1 ? workspace.data_ptr<float>() : nullptr;
-  a.counters = plan.splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
+  a.workspace = split.workspace_ptr();
+  a.counters = split.counters_ptr();
   a.m = static_cast<int>(m);
   a.n = static_cast<int>(n);
   a.kp = static_cast<int>(p.kp);
@@ -185,19 +195,15 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const LowbitPlan plan = lowbit_mm_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(kp),
                                          static_cast<int>(bits), static_cast<int>(group_size), x.get_device(), bf16);
-  at::Tensor workspace, counters;
-  if (plan.splits > 1) {
-    workspace = at::empty({plan.workspace_floats}, x.options().dtype(at::kFloat));
-    counters = at::zeros({plan.counters}, x.options().dtype(at::kInt));
-  }
+  const SplitK split(plan.splits, plan.workspace_floats, plan.counters, x.options());
   LowbitArgs a{};
   a.x = xg.data_ptr();
   a.qweight = reinterpret_cast<const uint32_t*>(qw.data_ptr<int32_t>());
   a.scale_zero = sz.data_ptr();
   a.bias = bias ? b.data_ptr() : nullptr;
   a.y = out.data_ptr();
-  a.workspace = plan.splits > 1 ? workspace.data_ptr<float>() : nullptr;
-  a.counters = plan.splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
+  a.workspace = split.workspace_ptr();
+  a.counters = split.counters_ptr();
   a.m = static_cast<int>(m);
   a.n = static_cast<int>(n);
   a.kp = static_cast<int>(kp);

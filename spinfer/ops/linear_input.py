@@ -38,3 +38,13 @@ def flatten_input(x, weight, weight_type: type, weight_like: torch.Tensor, bias)
     x2 = x.reshape(-1, k).contiguous()
     check_op_inputs(x2, weight_like, m, k, bias)
     return x2, x.shape[:-1]
+
+
+def check_out(out, x, m: int) -> None:
+    """An ``out=`` buffer for an ``[N, K]`` input: a contiguous ``[N, m]`` tensor of x's dtype
+    on x's device (the ``*_out`` ops and CUDA-graph users write into it)."""
+    if not isinstance(out, torch.Tensor) or out.shape != (x.shape[0], m) or out.dtype != x.dtype:
+        raise ValueError(f"out must be a [{x.shape[0]}, {m}] {x.dtype} tensor, got "
+                         f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
+    if out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous and on {x.device}")

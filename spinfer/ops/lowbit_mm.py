@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import build
 from ..quant.lowbit import LowBitWeight, dequantize
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import check_op_inputs, flatten_input
+from .linear_input import check_op_inputs, check_out, flatten_input
 
 # Largest N served by the fused kernel; dequantize + cuBLAS above. Never below 32 (issue 4);
 # 256 is the largest N measured (benchmarks/bench_lowbit.py), where fused still won 5x.
@@ -35,14 +35,6 @@ def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accum
             y += bias.float()
         return y.to(x.dtype)
     return F.linear(x, w, bias)  # cuBLAS: fp16/bf16 inputs, fp32 accumulation
-
-
-def _check_out(out, x, m) -> None:
-    if not isinstance(out, torch.Tensor) or out.shape != (x.shape[0], m) or out.dtype != x.dtype:
-        raise ValueError(f"out must be a [{x.shape[0]}, {m}] {x.dtype} tensor, got "
-                         f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
-    if out.device != x.device or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous and on {x.device}")
 
 
 @torch.library.register_fake("spinfer::lowbit_mm")
@@ -73,11 +65,11 @@ def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, b
 @torch.library.register_fake("spinfer::lowbit_mm_out")
 def _lowbit_mm_out_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, *, out):
     check_op_inputs(x, scale_zero, m, k, bias)
-    _check_out(out, x, m)
+    check_out(out, x, m)
 
 
 def _lowbit_mm_out_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, *, out):
-    _check_out(out, x, m)
+    check_out(out, x, m)
     out.copy_(_lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm, bias))
 
 
@@ -101,7 +93,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
         build.load_extension()  # JIT-compiles the kernels on first use, then cached
     args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias)
     if out is not None:
-        _check_out(out, x2, m)
+        check_out(out, x2, m)
         if x2.shape[0]:
             torch.ops.spinfer.lowbit_mm_out(*args, out=out)
         return out.view(*lead, m)

@@ -15,7 +15,7 @@ import torch
 from .. import build
 from ..format.tca_bme import TCABME, Geometry, check_structure, decode, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import check_op_inputs, flatten_input
+from .linear_input import check_op_inputs, check_out, flatten_input
 
 
 @torch.library.register_fake("spinfer::spmm")
@@ -44,11 +44,11 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
 @torch.library.register_fake("spinfer::spmm_out")
 def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, *, out):
     check_op_inputs(x, values, m, k, bias)
+    check_out(out, x, m)
 
 
 def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, *, out):
-    if out.shape != (x.shape[0], m) or out.dtype != x.dtype:
-        raise ValueError(f"out must be a [{x.shape[0]}, {m}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    check_out(out, x, m)
     out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias))
 
 

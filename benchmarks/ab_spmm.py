@@ -1,6 +1,6 @@
 """A/B of SpMM launch configurations in one process (interleaved, L2 flushed), for tuning the
 planner. A configuration is a '+'-joined list of SPINFER_* environment overrides read by the
-planner at every launch (SPLITS, ROWS, LOADER, SYNC); 'auto' is the planner's own choice.
+planner at every launch (SPLITS, STAGES, LOADER, DECODE, VALUE_CAP); 'auto' is the planner's own choice.
 
     python benchmarks/ab_spmm.py --configs auto,SYNC=mbarrier,SPLITS=8 \\
         [--shapes 28672x8192,4096x14336] [--ns 1,8,16,32] [--sparsity 0.5]
@@ -29,7 +29,7 @@ def apply(config):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", default="auto,ROWS=2,SPLITS=1,SPLITS=4,SPLITS=8")
+    p.add_argument("--configs", default="auto,STAGES=3,STAGES=4,SPLITS=2,SPLITS=8")
     p.add_argument("--shapes", default="28672x8192,4096x14336")
     p.add_argument("--ns", default="1,8,16,32")
     p.add_argument("--sparsity", type=float, default=0.5)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
-#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
+#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit] [ncu-spmm]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit; the build always runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,5 +46,16 @@ fi
 if [[ " $steps " == *" bench-lowbit "* ]]; then
     python3 benchmarks/bench_lowbit.py --quick --csv "$OUT/lowbit.csv" >"$OUT/bench-lowbit.log" 2>&1 || status=1
     sed -n '/^summary/,$p' "$OUT/bench-lowbit.log"
+fi
+if [[ " $steps " == *" ncu-spmm "* ]]; then
+    # One SpMM launch under Nsight Compute (SPMM_CASE="M K N SPARSITY"): the details page and
+    # the per-SASS-instruction source page (executed instructions, stall samples) as CSV.
+    case="${SPMM_CASE:-28672 8192 1 0.5}"
+    ncu --set full --import-source no -k regex:spmm_smbd --launch-skip 2 --launch-count 1 -f -o "$OUT/spmm" \
+        python3 scripts/profile_case.py $case >"$OUT/ncu.log" 2>&1 || { tail -20 "$OUT/ncu.log"; status=1; }
+    ncu -i "$OUT/spmm.ncu-rep" --page details --csv >"$OUT/ncu-details.csv" 2>>"$OUT/ncu.log"
+    ncu -i "$OUT/spmm.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu-source.csv" 2>>"$OUT/ncu.log"
+    grep -E '"(Duration|Achieved Occupancy|Theoretical Occupancy|Issued Warp Per Scheduler|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Registers Per Thread|Block Limit [A-Za-z ]+|Executed Ipc Active|Memory Throughput|DRAM Throughput)"' \
+        "$OUT/ncu-details.csv" | awk -F'","' '{print $(NF-2)": "$NF" "$(NF-1)}' | tr -d '"' | sort -u
 fi
 exit $status

@@ -1,5 +1,6 @@
 """Small and odd launches for compute-sanitizer (memcheck, racecheck, synccheck): SpMM with
-split-K on and off, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
+split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
+variants, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off, every tile width."""
 
 import os
@@ -10,8 +11,10 @@ import spinfer
 from spinfer.format import TCABME
 
 spinfer.build.load_extension()
-for m, k, n, splits in [(64, 64, 1, "1"), (4097, 1000, 7, "1"), (4097, 1000, 9, "3"), (200, 700, 33, "2")]:
-    os.environ["SPINFER_SPLITS"] = splits  # N >= 8 runs two GroupTile rows per block
+for m, k, n, splits, stages in [(64, 64, 1, "1", "2"), (4097, 1000, 7, "1", "3"), (4097, 1000, 9, "3", "2"),
+                                (200, 700, 33, "2", "4"), (300, 1450, 5, "3", "3")]:
+    os.environ["SPINFER_SPLITS"] = splits
+    os.environ["SPINFER_STAGES"] = stages
     for dt in (torch.float16, torch.bfloat16):
         w = torch.randn(m, k, device="cuda").to(dt)
         w[torch.rand(m, k, device="cuda") < 0.5] = 0

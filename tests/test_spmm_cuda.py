@@ -53,15 +53,16 @@ def test_matches_float64(m, k, sparsity, dtype):
     check(w, [1, 7, 8, 16, 33, 256], dtype, with_bias=(m % 2 == 1))
 
 
-@pytest.mark.parametrize("rows", ["1", "2"])
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("splits", ["1", "2", "3", "7"])
 @pytest.mark.parametrize("n", [1, 9, 40, 65])
-def test_split_k_and_rows_forced(monkeypatch, splits, rows, n):
-    """Every (split-K, GroupTile rows per block) combination, on a shape whose GroupTile rows
-    (5) do not divide by 2 and whose K (1500) is not a GroupTile multiple."""
+def test_split_k_and_stages_forced(monkeypatch, splits, stages, n):
+    """Every (split-K, pipeline depth) combination, on a shape whose K (1450) is not a GroupTile
+    multiple and whose 23 GroupTile columns leave an odd count in the last split of every split
+    factor, so stages holding a single GroupTile run too."""
     monkeypatch.setenv("SPINFER_SPLITS", splits)
-    monkeypatch.setenv("SPINFER_ROWS", rows)
-    w = random_sparse((300, 1500), 0.5, torch.float16, device="cuda")
+    monkeypatch.setenv("SPINFER_STAGES", stages)
+    w = random_sparse((300, 1450), 0.5, torch.float16, device="cuda")
     check(w, [n], torch.float16)
     check(w, [n], torch.float16)  # counters are re-armed by the kernel: a second call is right too
 

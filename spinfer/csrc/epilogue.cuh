@@ -42,16 +42,19 @@ struct TileOut {
   int m, n;
 };
 
-// Writes a block's results. The calling lane holds rows m_base + m_local (+8) and token
-// columns n0 + nb*8 + 2*(lane%4) (+1) of each n8 sub-tile, for every lane of the block.
+// Writes a block's results. A lane of a warp that holds accumulators (has_acc) holds rows
+// m_base + m_local (+8) and token columns n0 + nb*8 + 2*(lane%4) (+1) of each n8 sub-tile;
+// other warps (a copy-issuing producer) only help with the reduction.
 // Split-K: an fp32 partial tile [BN][kBlockRows] per split; the last block to arrive for the
 // tile sums the splits in order 0..splits-1 (deterministic), adds bias, casts, and re-arms the
 // counter for the next launch. Every thread of the block must call this.
 template <bool kBF16, int BN, int kBlockRows, int kThreads>
 __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_local, int n0, int split, int splits,
-                                           const float (&acc)[BN / 8][4], int lane, int tid, int* s_is_last) {
+                                           const float (&acc)[BN / 8][4], int lane, int tid, int* s_is_last,
+                                           bool has_acc = true) {
   const int tq = lane % 4;
   if (splits == 1) {
+    if (!has_acc) return;
 #pragma unroll
     for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
@@ -68,10 +71,12 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
   constexpr int64_t kTileFloats = BN * kBlockRows;
   const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kTileFloats;
   float* part = o.workspace + split * split_stride + tile * kTileFloats;
+  if (has_acc) {
 #pragma unroll
-  for (int nb = 0; nb < BN / 8; ++nb)
+    for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
+      for (int e = 0; e < 4; ++e) part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
+  }
   __threadfence();  // partials visible device-wide before this block is counted
   __syncthreads();
   if (tid == 0) *s_is_last = atomicAdd(o.counters + tile, 1) == splits - 1;

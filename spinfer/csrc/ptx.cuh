@@ -41,11 +41,28 @@ __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// cp_async_wait_group for a count known only at run time (0..2: pipelines of 2 to 4 stages).
+__device__ __forceinline__ void cp_async_wait_group_dynamic(int n) {
+  if (n <= 0) cp_async_wait_group<0>();
+  else if (n == 1) cp_async_wait_group<1>();
+  else cp_async_wait_group<2>();
+}
+
 // (a & b) | c in one LOP3.
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
+}
+
+// Four 8x8 b16 matrices from shared memory: lane i gives the address of row i%8 of matrix i/8
+// (16 bytes, 16-byte aligned) and receives, in r[j], row lane/4, columns 2*(lane%4) and +1 of
+// matrix j: exactly an mma.m16n8k16 B fragment when the rows are tokens and the columns k.
+// Volatile: it reads shared memory that the pipeline's waits make valid.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 // 2-byte shared-memory load from a 32-bit shared address (zero-extended).

@@ -12,31 +12,25 @@ SPINFER_SMBD_FOR_TILES(SPINFER_SMBD_EXTERN_ONE, true)
 
 namespace {
 
-// Calls F<kBF16, BN, ROWS>::run(args...) for the runtime (bn, rows).
-template <template <bool, int, int> class F, bool kBF16, typename... A>
-auto by_tile(int bn, int rows, A... a) {
-  if (rows == 2) {
-    switch (bn) {
-      case 8: return F<kBF16, 8, 2>::run(a...);
-      case 16: return F<kBF16, 16, 2>::run(a...);
-      case 32: return F<kBF16, 32, 2>::run(a...);
-      default: return F<kBF16, 64, 2>::run(a...);
-    }
-  }
+// Calls F<BN>::run(args...) for the runtime tile width.
+template <template <int> class F, typename... A>
+auto by_tile(int bn, A... a) {
   switch (bn) {
-    case 8: return F<kBF16, 8, 1>::run(a...);
-    case 16: return F<kBF16, 16, 1>::run(a...);
-    case 32: return F<kBF16, 32, 1>::run(a...);
-    default: return F<kBF16, 64, 1>::run(a...);
+    case 8: return F<8>::run(a...);
+    case 16: return F<16>::run(a...);
+    case 32: return F<32>::run(a...);
+    default: return F<64>::run(a...);
   }
 }
-template <bool B, int BN, int R>
+template <int BN>
 struct SmemF {
-  static int run(int kps, int cap) { return smem_bytes<B, BN, R>(kps, cap); }
+  static int run(int kps, int cap, int stages, int n) { return smem_bytes<BN>(kps, cap, stages, n); }
 };
-template <bool B, int BN, int R>
+template <int BN>
 struct LaunchF {
-  static cudaError_t run(const SpmmArgs* a, const SpmmPlan* p, cudaStream_t s) { return launch<B, BN, R>(*a, *p, s); }
+  static cudaError_t run(const SpmmArgs* a, const SpmmPlan* p, cudaStream_t s) {
+    return a->bf16 ? launch<true, BN>(*a, *p, s) : launch<false, BN>(*a, *p, s);
+  }
 };
 
 // Split-K factor, fitted to H100 measurements (docs/kernels.md). Enough blocks per SM lets the
@@ -53,20 +47,21 @@ int choose_splits(int base_blocks, int sms, int grid_k) {
   return std::max(1, std::min(want, max_splits));
 }
 
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : fallback;
+}
+
 }  // namespace
 }  // namespace smbd
 
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool bf16) {
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool /*bf16*/) {
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
   p.n_tiles = (n + p.bn - 1) / p.bn;
   p.grid_m = (m + kGt - 1) / kGt;
   p.grid_k = kp / kGt;
-  // One GroupTile row per block: two rows sharing each x slice measured slower at every N
-  // (fewer resident blocks); kept selectable for A/B runs.
-  p.rows = 1;
-  if (const char* env = std::getenv("SPINFER_ROWS")) p.rows = std::atoi(env) == 2 ? 2 : 1;
   int sms = 1, major = 8;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -77,30 +72,25 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool bf16
   // than the per-word clamped one. SPINFER_DECODE=lean|safe overrides.
   p.lean = p.bn <= 16;
   if (const char* decode = std::getenv("SPINFER_DECODE")) p.lean = std::strcmp(decode, "safe") != 0;
-  const int row_blocks = (p.grid_m + p.rows - 1) / p.rows;
-  int splits = choose_splits(row_blocks * p.n_tiles, sms, p.grid_k);
-  if (const char* env = std::getenv("SPINFER_SPLITS")) {
-    const int forced = std::atoi(env);
-    if (forced > 0) splits = forced < p.grid_k ? forced : p.grid_k;
-  }
+  p.stages = std::min(kMaxStages, std::max(2, env_int("SPINFER_STAGES", 2)));
+  int splits = choose_splits(p.grid_m * p.n_tiles, sms, p.grid_k);
+  if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
+  // Splits hold whole pairs of GroupTiles, so only the last stage of the last split can be odd.
   p.k_per_split = (p.grid_k + splits - 1) / splits;
+  if (p.k_per_split < p.grid_k) p.k_per_split = (p.k_per_split + 1) / 2 * 2;
   p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
-  int cap = max_run;
-  if (const char* env = std::getenv("SPINFER_VALUE_CAP")) cap = std::atoi(env);
+  const int cap = env_int("SPINFER_VALUE_CAP", max_run);
   p.value_cap = std::max(8, std::min(kMaxValues, (cap + 7) / 8 * 8));
-  p.smem_bytes = bf16 ? by_tile<SmemF, true>(p.bn, p.rows, p.k_per_split, p.value_cap)
-                      : by_tile<SmemF, false>(p.bn, p.rows, p.k_per_split, p.value_cap);
+  p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n);
   if (p.splits > 1) {
-    p.counters = p.n_tiles * row_blocks;
-    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt * p.rows;
+    p.counters = p.n_tiles * p.grid_m;
+    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt;
   }
   return p;
 }
 
 cudaError_t spmm_smbd_run(const SpmmArgs& a, const SpmmPlan& p, cudaStream_t stream) {
-  using namespace smbd;
-  return a.bf16 ? by_tile<LaunchF, true>(p.bn, p.rows, &a, &p, stream)
-                : by_tile<LaunchF, false>(p.bn, p.rows, &a, &p, stream);
+  return smbd::by_tile<smbd::LaunchF>(p.bn, &a, &p, stream);
 }
 
 }  // namespace spinfer

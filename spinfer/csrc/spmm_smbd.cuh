@@ -1,19 +1,19 @@
-// The SMBD SpMM kernels: y[N, M] = x[N, K] @ W[M, K]^T with W in TCA-BME (GroupTile 64x64).
+// The SMBD SpMM kernel: y[N, M] = x[N, K] @ W[M, K]^T with W in TCA-BME (GroupTile 64x64).
 //
 // Read top to bottom:
-//  * One thread block owns ROWS GroupTile rows of W (64 output features each) and a tile of BN
-//    tokens, and walks a range of GroupTiles along K (all of them, or a split-K share). The
-//    planner uses ROWS=1; ROWS=2 (two rows sharing each x slice) measured slower at every N on
-//    H100 (fewer resident blocks) and stays selectable for A/B runs (SPINFER_ROWS=2).
-//  * A 4-stage ring brings each GroupTile to shared memory *compressed*: its 64 bitmap words
-//    (512 B), its value run (16-byte aligned, 2 B per nonzero) and the matching 64-column slice
-//    of x. On sm_90 one thread issues bulk copies (cp.async.bulk) that complete on the stage's
+//  * One thread block (4 warps) owns one GroupTile row of W (64 output features) and a tile of
+//    BN tokens, and walks a range of GroupTiles along K (all of them, or a split-K share).
+//  * A ring of `stages` pipeline stages brings the GroupTiles to shared memory *compressed*, two
+//    consecutive GroupTiles per stage: their bitmaps (2 x 512 B), their value runs (adjacent in
+//    global memory, so one copy) and the matching 128-column slice of x. Two per stage halves
+//    the block barriers, the mbarrier waits and the copy-issue work per GroupTile, which ncu
+//    showed as ~40% of the instructions and the largest stall (the barrier) with one per stage.
+//    On sm_90 one thread issues bulk copies (cp.async.bulk) that complete on the stage's
 //    mbarrier; on sm_80 all threads issue 16-byte cp.async. Nothing dense of W ever exists
 //    outside registers.
-//  * Four warps per GroupTile row decode it: warp w takes TCTile row w (16 bitmap words) and
-//    expands it straight into mma.m16n8k16 A fragments (Shared-Memory Bitmap Decoding): a
-//    lane's value offset is the PopCount of everything before its bits plus a masked PopCount
-//    inside its word. fp32 accumulators.
+//  * Warp w decodes TCTile row w of each GroupTile straight into mma.m16n8k16 A fragments
+//    (Shared-Memory Bitmap Decoding): a lane's value offset is the PopCount of everything before
+//    its bits plus a masked PopCount inside its word. fp32 accumulators.
 //  * The epilogue adds bias and casts, or (split-K) stores fp32 partials and the last block to
 //    arrive for a tile reduces them in a fixed order.
 #pragma once
@@ -29,12 +29,19 @@ namespace spinfer {
 namespace smbd {
 
 constexpr int kGt = 64;                 // GroupTile is kGt x kGt
-constexpr int kConsumers = 4;           // decoding warps: one per TCTile row of the GroupTile
+constexpr int kWarps = 4;               // one decoding warp per TCTile row of the GroupTile
+// Threads per block: the decoding warps, plus on sm_90 one producer warp that issues the bulk
+// copies. With a decoding warp issuing them (~130 instructions per stage on top of its ~520)
+// the other three waited for it at every stage's barrier: ncu's largest stall.
+template <bool kBulk>
+constexpr int kThreads = 32 * (kWarps + (kBulk ? 1 : 0));
+constexpr int kPair = 2;                // GroupTiles per pipeline stage
+constexpr int kMaxStages = 4;
 constexpr int kWordsPerGt = kGt * kGt / 64;
 constexpr int kBitmapBytes = kWordsPerGt * 8;
 constexpr int kMaxValues = kGt * kGt;   // a fully dense GroupTile
-constexpr int kXStride = kGt + 8;       // halves per x row in smem: +16 B makes the B-fragment
-                                        // loads of lanes g=0..7 hit 8 distinct bank groups
+constexpr int kXStride = kPair * kGt + 8;  // halves per x row in smem: 272 B, so the 8 rows of
+                                           // an ldmatrix phase start in 8 distinct bank groups
 constexpr unsigned kFull = 0xffffffffu;
 
 // A decoding lane reads values[off] and values[off + 1] unconditionally, off < run for valid
@@ -44,181 +51,218 @@ constexpr unsigned kFull = 0xffffffffu;
 // this slack.
 constexpr int kValueSlack = 40;
 
-// Shared memory of one block: kStages stages, each holding for every one of the block's ROWS
-// GroupTile rows a bitmap (512 B) and a value-run buffer, plus one x slice [BN][kXStride] that
-// all rows share; then the GroupTile offsets of the block's rows. The value buffer holds
-// value_cap elements, the weight's longest run (TCABME.max_run) rather than a dense GroupTile:
-// ~2.2k values instead of 4096 at 50% sparsity, so almost twice as many blocks stay resident.
-template <int BN, int ROWS>
+// The {bits, prefix} pairs a warp publishes for one GroupTile: 16 words x 2 halves, stored
+// half-major so a lane fetches the four words of a TCTile with two 16-byte loads; the halves
+// are 20 pairs apart (160 B) so the two addresses of a load fall in different banks.
+constexpr int kPackStride = 20;
+constexpr int kPackPerGt = 2 * kPackStride;
+
+// Shared memory of one block: `stages` stages, each holding two bitmaps (1 KB), a value buffer
+// for two runs and one x slice [x_rows][kXStride]; then one row of zeros and the GroupTile
+// offsets of the block. The value buffer holds 2 * value_cap elements, value_cap being the
+// weight's longest run (TCABME.max_run) rather than a dense GroupTile: ~2.2k values instead of
+// 4096 at 50% sparsity. The x slice has only min(BN, N) rows: the B fragments of tokens past N
+// are read from the zero row, so at N=1 a stage is 1.9 KB smaller. Both keep more blocks
+// resident, which measured as the strongest lever of this kernel (2 stages beat 3 and 4).
+template <int BN>
 struct Layout {
-  static constexpr int kStages = 4;
-  static constexpr int kWarps = kConsumers * ROWS;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kXBytes = BN * kXStride * 2;
-  static constexpr int kValueOffset = ROWS * kBitmapBytes;
-  static_assert(kXBytes % 16 == 0 && kValueOffset % 16 == 0, "16-byte alignment of every buffer");
-  int value_bytes, x_offset, stage_bytes;
-  __host__ __device__ explicit Layout(int value_cap)
-      : value_bytes(((value_cap + kValueSlack) * 2 + 15) / 16 * 16),
-        x_offset(ROWS * (kBitmapBytes + value_bytes)),
-        stage_bytes(x_offset + kXBytes) {}
+  static constexpr int kValueOffset = kPair * kBitmapBytes;
+  static constexpr int kZeroBytes = kPair * kGt * 2;  // what an ldmatrix row address can reach
+  int value_bytes, x_offset, stage_bytes, stages;
+  __host__ __device__ Layout(int value_cap, int n_stages, int n)
+      : value_bytes(((kPair * value_cap + kValueSlack) * 2 + 15) / 16 * 16),
+        x_offset(kValueOffset + value_bytes),
+        stage_bytes(x_offset + (n < BN ? n : BN) * kXStride * 2),  // 272 B rows: 16-byte aligned
+        stages(n_stages) {}
+  __host__ __device__ int zero_offset() const { return stages * stage_bytes; }
+  __host__ __device__ int offsets_offset() const { return zero_offset() + kZeroBytes; }
   __host__ __device__ int smem_bytes(int k_per_split) const {
-    return kStages * stage_bytes + (ROWS * (k_per_split + 1) * 4 + 15) / 16 * 16;
+    return offsets_offset() + ((k_per_split + 1) * 4 + 15) / 16 * 16;
   }
 };
 
-// What one block works on, derived from blockIdx: GroupTile rows row0 .. row0+rows-1 (rows
-// < ROWS only at the bottom edge), tokens n0 .. n0+valid_rows-1, GroupTile columns g_begin ..
-// g_begin+nk-1.
+// What one block works on, derived from blockIdx: GroupTile row `row`, tokens n0 ..
+// n0+valid_rows-1, GroupTile columns g_begin .. g_begin+nk-1 (pairs (nk+1)/2 stages' worth).
 struct BlockWork {
-  int row0, rows, split, g_begin, nk, n0, valid_rows;
+  int row, split, g_begin, nk, n0, valid_rows;
 };
 
-template <int BN, int ROWS>
-__device__ __forceinline__ BlockWork block_work(const SpmmArgs& args, int grid_m, int grid_k, int k_per_split) {
+__device__ __forceinline__ BlockWork block_work(const SpmmArgs& args, int bn, int grid_k, int k_per_split) {
   BlockWork b;
-  b.row0 = blockIdx.y * ROWS;
-  b.rows = min(ROWS, grid_m - b.row0);
+  b.row = blockIdx.y;
   b.split = blockIdx.z;
   b.g_begin = b.split * k_per_split;
   b.nk = max(0, min(grid_k, b.g_begin + k_per_split) - b.g_begin);
-  b.n0 = blockIdx.x * BN;
-  b.valid_rows = min(BN, args.n - b.n0);
+  b.n0 = blockIdx.x * bn;
+  b.valid_rows = min(bn, args.n - b.n0);
   return b;
 }
 
-__device__ __forceinline__ int64_t first_gtile(const BlockWork& b, int r, int grid_k) {
-  return static_cast<int64_t>(b.row0 + r) * grid_k + b.g_begin;
-}
-
-// The GroupTile offsets of the block's rows, loaded once so issuing a copy never waits on a
-// dependent global load. Clamped and rounded down to 16 bytes: arrays that bypassed validation
-// can give wrong results but can never send a copy outside `values`.
+// The block's GroupTile offsets, loaded once so issuing a copy never waits on a dependent
+// global load. Clamped and rounded down to 16 bytes: arrays that bypassed validation can give
+// wrong results but can never send a copy outside `values`.
 __device__ __forceinline__ void load_offsets(const SpmmArgs& args, const BlockWork& b, int grid_k, int* s_off,
                                              int tid, int threads) {
-  const int per_row = b.nk + 1;
-  for (int idx = tid; idx < b.rows * per_row; idx += threads) {
-    int64_t o = args.gtile_offset[first_gtile(b, idx / per_row, grid_k) + idx % per_row];
-    o = min(max(o, int64_t(0)), args.nvalues);
+  const int64_t first = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
+  for (int idx = tid; idx <= b.nk; idx += threads) {
+    const int64_t o = min(max(static_cast<int64_t>(args.gtile_offset[first + idx]), int64_t(0)), args.nvalues);
     s_off[idx] = static_cast<int>(o & ~int64_t(7));
   }
 }
 
-// A GroupTile's run, clamped to the value buffer (value_cap, a multiple of 8, <= kMaxValues):
-// only a max_run below the truth or corrupt offsets ever clamp.
-__device__ __forceinline__ int run_length(const int* s_off_row, int i, int value_cap) {
-  return min(max(s_off_row[i + 1] - s_off_row[i], 0), value_cap);
+// The runs of the GroupTiles of stage p, clamped to the value buffer (2 * value_cap): only a
+// max_run below the truth or corrupt offsets ever clamp. total = both runs; split = where the
+// second run starts (== total when the stage holds one GroupTile).
+struct PairRuns {
+  int gts, total, split;
+};
+
+__device__ __forceinline__ PairRuns pair_runs(const int* s_off, int nk, int p, int value_cap) {
+  PairRuns r;
+  const int g = kPair * p;
+  r.gts = min(kPair, nk - g);
+  r.total = min(max(s_off[g + r.gts] - s_off[g], 0), kPair * value_cap);
+  r.split = r.gts == kPair ? min(max(s_off[g + 1] - s_off[g], 0), r.total) : r.total;
+  return r;
 }
 
-// Decodes this warp's TCTile row of one GroupTile and multiplies it into acc.
-//   bm32: the GroupTile's bitmap as 128 half-words; vals: its value run (with kValueSlack
-//   readable elements past `run`); xs: the x slice [BN][kXStride]; pack: 32 uint2 of scratch.
+// Decodes this warp's TCTile row of one GroupTile from its published pairs and multiplies it
+// into acc. pack: the pairs (half-major, kPackStride apart); vals/last: the run (lean: unused,
+// the pairs carry shared addresses); xa: this lane's ldmatrix row address in each n8 block of
+// the x slice, at this GroupTile's columns.
 template <bool kBF16, int BN, bool kLean>
-__device__ __forceinline__ void decode_and_multiply(const uint32_t* bm32, const uint16_t* vals, int run,
-                                                    const uint16_t* xs, uint2* pack, int warp, int lane,
-                                                    float (&acc)[BN / 8][4]) {
-  // Lane geometry of the m16n8k16 fragments: group g = lane/4 owns row g (and g+8) of A and
-  // column g of B; tq = lane%4 picks the column pair. In a BitmapTile word that row/pair is
-  // bits 2*lane and 2*lane+1: lanes 0-15 read the low 32-bit half, lanes 16-31 the high one.
-  const int g = lane / 4, tq = lane % 4;
+__device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* vals, int last,
+                                          const uint32_t (&xa)[BN / 8], int gt, int lane, float (&acc)[BN / 8][4]) {
+  // Lane geometry of the m16n8k16 fragments: group g = lane/4 owns row g (and g+8) of A; in a
+  // BitmapTile word that row and column pair are bits 2*lane and 2*lane+1: lanes 0-15 read the
+  // low 32-bit half, lanes 16-31 the high one.
   const int hi = lane >> 4;
   const int lp = 2 * (lane & 15);
   const uint32_t below = (1u << lp) - 1u;
   const uint32_t bit_lo = 1u << lp, bit_hi = 2u << lp;
-
-  // Exclusive PopCount prefix of every 32-bit half-word of this warp's 16 words, relative to
-  // the run: one POPC per lane here instead of one per word in the decode below.
-  const uint32_t my_half = bm32[32 * warp + lane];
-  int before = 0;  // set bits in the TCTile rows of the warps above
-#pragma unroll
-  for (int r = 0; r < kConsumers - 1; ++r)
-    if (r < warp) before += __popc(bm32[32 * r + lane]);
-  before = __reduce_add_sync(kFull, before);
-  const int cnt = __popc(my_half);
-  int incl = cnt;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int t = __shfl_up_sync(kFull, incl, d);
-    if (lane >= d) incl += t;
-  }
-  // Publish {bits, prefix} side by side: the decode fetches both with one 8-byte broadcast
-  // load per word instead of two shuffles.
-  __syncwarp();  // every lane is done reading the previous GroupTile's pairs
-  const int last = max(run - 1, 0);  // clamp target for offsets of corrupt arrays
-  if constexpr (kLean)  // the prefix as the shared address of its first value, clamped once
-    pack[lane] = make_uint2(my_half, ptx::smem_addr(vals) + 2u * static_cast<uint32_t>(min(before + incl - cnt, last)));
-  else
-    pack[lane] = make_uint2(my_half, static_cast<uint32_t>(before + incl - cnt));
-  __syncwarp();
+  const uint4* pk = reinterpret_cast<const uint4*>(pack + hi * kPackStride);
 
 #pragma unroll
-  for (int t = 0; t < 4; ++t) {  // TCTile (warp, t): k columns 16t .. 16t+15
-    uint32_t a[4];
+  for (int tt = 0; tt < 4; tt += 2) {
+    // B fragments of TCTiles tt and tt+1 (k columns 16tt .. 16tt+31) for every n8 block: one
+    // ldmatrix.x4 each instead of four 4-byte loads.
+    uint32_t b[BN / 8][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // BitmapTile j = register Ra_j (TL, BL, TR, BR)
-      const uint2 he = pack[2 * (4 * t + j) + hi];  // this lane's half of word 4t+j
-      // Both candidates are loaded unconditionally and selected: cheaper than two predicated
-      // loads plus two zeroings.
-      uint32_t v0, v1;
-      if constexpr (kLean) {
-        const uint32_t addr = he.y + 2u * __popc(he.x & below);
-        v0 = ptx::lds_u16(addr);
-        v1 = ptx::lds_u16(addr + 2);
-      } else {
-        const int off = min(static_cast<int>(he.y) + __popc(he.x & below), last);
-        v0 = vals[off];
-        v1 = vals[off + 1];
+    for (int nb = 0; nb < BN / 8; ++nb) ptx::ldmatrix_x4(b[nb], xa[nb] + (gt * kGt + 16 * tt) * 2);
+#pragma unroll
+    for (int t = tt; t < tt + 2; ++t) {  // TCTile (warp, t): k columns 16t .. 16t+15
+      const uint4 qa = pk[2 * t], qb = pk[2 * t + 1];
+      const uint2 words[4] = {{qa.x, qa.y}, {qa.z, qa.w}, {qb.x, qb.y}, {qb.z, qb.w}};
+      uint32_t a[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // BitmapTile j = register Ra_j (TL, BL, TR, BR)
+        const uint2 he = words[j];   // {this lane's half of word 4t+j, its prefix}
+        // Both candidates are loaded unconditionally and selected: cheaper than two predicated
+        // loads plus two zeroings.
+        uint32_t v0, v1;
+        if constexpr (kLean) {
+          const uint32_t addr = he.y + 2u * __popc(he.x & below);
+          v0 = ptx::lds_u16(addr);
+          v1 = ptx::lds_u16(addr + 2);
+        } else {
+          const int off = min(static_cast<int>(he.y) + __popc(he.x & below), last);
+          v0 = vals[off];
+          v1 = vals[off + 1];
+        }
+        const bool b0 = he.x & bit_lo, b1 = he.x & bit_hi;
+        const uint32_t lo = b0 ? v0 : 0u;
+        const uint32_t up = b1 ? (b0 ? v1 : v0) : 0u;  // the pair's second value follows the first
+        a[j] = __byte_perm(lo, up, 0x5410);
       }
-      const bool b0 = he.x & bit_lo, b1 = he.x & bit_hi;
-      const uint32_t lo = b0 ? v0 : 0u;
-      const uint32_t up = b1 ? (b0 ? v1 : v0) : 0u;  // the pair's second value follows the first
-      a[j] = __byte_perm(lo, up, 0x5410);
-    }
 #pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb) {
-      const uint16_t* xr = xs + (nb * 8 + g) * kXStride + 16 * t + 2 * tq;
-      const uint32_t b_lo = *reinterpret_cast<const uint32_t*>(xr);
-      const uint32_t b_hi = *reinterpret_cast<const uint32_t*>(xr + 8);
-      ptx::mma_m16n8k16<kBF16>(acc[nb], a, b_lo, b_hi);
+      for (int nb = 0; nb < BN / 8; ++nb) ptx::mma_m16n8k16<kBF16>(acc[nb], a, b[nb][2 * (t - tt)], b[nb][2 * (t - tt) + 1]);
     }
   }
 }
 
+// Decodes and multiplies this warp's TCTile row of the stage's GroupTiles (one or two).
+//   bm32: the stage's bitmaps as 2 x 128 half-words; vals: the two runs, the second at
+//   r.split (with kValueSlack readable elements past r.total); pack: 2 x kPackPerGt pairs.
+template <bool kBF16, int BN, bool kLean>
+__device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const PairRuns& r,
+                                             const uint32_t (&xa)[BN / 8], uint2* pack, int warp, int lane,
+                                             float (&acc)[BN / 8][4]) {
+  // Exclusive PopCount prefix of every 32-bit half-word of this warp's 16 words, relative to
+  // its run, for both GroupTiles at once: the two counts travel packed in 16-bit fields (at
+  // most 4096 each) through one reduction and one 5-step scan. The second GroupTile's bitmap
+  // is read even when the stage holds only one; its fields are then unused.
+  const uint32_t h0 = bm32[32 * warp + lane], h1 = bm32[4 * 32 + 32 * warp + lane];
+  uint32_t before = 0;  // set bits in the TCTile rows of the warps above
+#pragma unroll
+  for (int w = 0; w < kWarps - 1; ++w)
+    if (w < warp) before += __popc(bm32[32 * w + lane]) | (__popc(bm32[4 * 32 + 32 * w + lane]) << 16);
+  before = __reduce_add_sync(kFull, before);
+  const uint32_t cnt = __popc(h0) | (__popc(h1) << 16);
+  uint32_t incl = cnt;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t t = __shfl_up_sync(kFull, incl, d);
+    if (lane >= d) incl += t;
+  }
+  const uint32_t excl = before + incl - cnt;  // per field: no borrow, incl >= cnt
+  const int p0 = excl & 0xffff, p1 = excl >> 16;
+  const int last0 = max(r.split - 1, 0), last1 = max(r.total - r.split - 1, 0);  // clamp targets
+  // Publish {bits, prefix}: the decode fetches both with one broadcast load per two words.
+  __syncwarp();  // every lane is done reading the previous stage's pairs
+  const int slot = (lane & 1) * kPackStride + lane / 2;  // word lane/2, half lane%2
+  if constexpr (kLean) {  // the prefix as the shared address of its first value, clamped once
+    const uint32_t base = ptx::smem_addr(vals);
+    pack[slot] = make_uint2(h0, base + 2u * static_cast<uint32_t>(min(p0, last0)));
+    pack[kPackPerGt + slot] = make_uint2(h1, base + 2u * static_cast<uint32_t>(r.split + min(p1, last1)));
+  } else {
+    pack[slot] = make_uint2(h0, static_cast<uint32_t>(p0));
+    pack[kPackPerGt + slot] = make_uint2(h1, static_cast<uint32_t>(p1));
+  }
+  __syncwarp();
+  decode_gt<kBF16, BN, kLean>(pack, vals, last0, xa, 0, lane, acc);
+  if (r.gts == kPair) decode_gt<kBF16, BN, kLean>(pack + kPackPerGt, vals + r.split, last1, xa, 1, lane, acc);
+}
+
+// Resident blocks the register allocation must allow. Occupancy is this kernel's strongest
+// lever; on sm_90 at BN <= 16 shared memory allows 9-13 blocks per SM (50-70% sparsity), so
+// registers are capped at 40 (10 blocks of 5 warps) rather than left to reach 48 (8), at no
+// spills (asking for 10 blocks gave 32 registers and spills). 0 (elsewhere): the compiler's
+// choice, since a cap spilled the cp.async variants.
+template <int BN, bool kBulk>
+constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
+
 // ---------------------------------------------------------------------------------------------
 // The kernel. kBulk (sm_90): lane 0 of warp 0 posts the stage's byte count on its mbarrier and
-// issues cp.async.bulk copies of each row's bitmap and value run; warp 0's lanes copy the x
+// issues cp.async.bulk copies of the bitmaps and the value runs; warp 0's lanes copy the x
 // rows. Otherwise (sm_80): every thread issues 16-byte cp.async and groups are counted.
-template <bool kBF16, int BN, int ROWS, bool kBulk, bool kLean>
-__global__ void __launch_bounds__(Layout<BN, ROWS>::kThreads)
-    spmm_smbd_kernel(const SpmmArgs args, const int grid_m, const int grid_k, const int k_per_split,
-                     const int splits) {
+template <bool kBF16, int BN, bool kBulk, bool kLean>
+__global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
+    spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
+                     const int n_stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (kBulk) {
     __trap();  // never launched below sm_90 (the host checks); keeps sm_80 builds valid
   } else
 #endif
   {
-    using L = Layout<BN, ROWS>;
-    constexpr int S = L::kStages;
-    const L lay(args.value_cap);
+    using L = Layout<BN>;
+    const L lay(args.value_cap, n_stages, args.n);
+    const int S = lay.stages;
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ __align__(8) uint64_t s_full[S];  // bulk: the stage's bytes have landed
-    __shared__ uint2 s_pack[L::kWarps][32];
+    __shared__ __align__(8) uint64_t s_full[kMaxStages];  // bulk: the stage's bytes have landed
+    __shared__ __align__(16) uint2 s_pack[kWarps][kPair * kPackPerGt];
     __shared__ int s_is_last;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int rw = warp / kConsumers, w = warp % kConsumers;  // GroupTile row, TCTile row
-    const BlockWork b = block_work<BN, ROWS>(args, grid_m, grid_k, k_per_split);
-    int* s_off = reinterpret_cast<int*>(smem + S * lay.stage_bytes);
-    const int per_row = b.nk + 1;
-    load_offsets(args, b, grid_k, s_off, tid, L::kThreads);
+    const BlockWork b = block_work(args, BN, grid_k, k_per_split);
+    const int np = (b.nk + kPair - 1) / kPair;  // stages' worth of GroupTile pairs
+    int* s_off = reinterpret_cast<int*>(smem + lay.offsets_offset());
+    constexpr int kBlock = kThreads<kBulk>;
+    load_offsets(args, b, grid_k, s_off, tid, kBlock);
+    const int64_t first_gtile = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
 
+    if (tid < L::kZeroBytes / 4) reinterpret_cast<uint32_t*>(smem + lay.zero_offset())[tid] = 0u;
     if constexpr (kBulk) {
-      // x rows past N are never copied: zero them once in every stage.
-      const int zero_words = (BN - b.valid_rows) * kXStride / 2;
-      for (int idx = tid; idx < S * zero_words; idx += L::kThreads)
-        reinterpret_cast<uint32_t*>(smem + (idx / zero_words) * lay.stage_bytes + lay.x_offset +
-                                    b.valid_rows * kXStride * 2)[idx % zero_words] = 0u;
       if (tid == 0) {
         for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], 1);
         ptx::fence_mbarrier_init();
@@ -226,50 +270,43 @@ __global__ void __launch_bounds__(Layout<BN, ROWS>::kThreads)
     }
     __syncthreads();
 
-    auto issue_bulk = [&](int stage, int i) {  // warp 0 only
+    auto issue_bulk = [&](int stage, int p) {  // the producer warp
       unsigned char* st = smem + stage * lay.stage_bytes;
+      const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
       if (lane == 0) {
-        uint32_t bytes = b.valid_rows * kGt * 2;
-        for (int r = 0; r < b.rows; ++r) bytes += kBitmapBytes + run_length(s_off + r * per_row, i, args.value_cap) * 2;
         ptx::fence_proxy_async_shared();  // the generic reads of this buffer come before the copy
-        ptx::mbarrier_arrive_expect_tx(&s_full[stage], bytes);
-        for (int r = 0; r < b.rows; ++r) {
-          const int* off = s_off + r * per_row;
-          const int run = run_length(off, i, args.value_cap);
-          ptx::cp_async_bulk_g2s(st + r * kBitmapBytes, args.bitmap + (first_gtile(b, r, grid_k) + i) * kWordsPerGt,
-                                 kBitmapBytes, &s_full[stage]);
-          if (run > 0)
-            ptx::cp_async_bulk_g2s(st + L::kValueOffset + r * lay.value_bytes,
-                                   static_cast<const char*>(args.values) + int64_t(off[i]) * 2, run * 2,
-                                   &s_full[stage]);
-        }
-      }
-      __syncwarp();  // the byte count is posted before any row copy can complete
-      const int k0 = (b.g_begin + i) * kGt;
-      for (int r = lane; r < b.valid_rows; r += 32)
-        ptx::cp_async_bulk_g2s(st + lay.x_offset + r * kXStride * 2,
-                               static_cast<const char*>(args.x) + (int64_t(b.n0 + r) * args.kp + k0) * 2, kGt * 2,
+        ptx::mbarrier_arrive_expect_tx(&s_full[stage],
+                                       r.gts * (kBitmapBytes + b.valid_rows * kGt * 2) + r.total * 2);
+        ptx::cp_async_bulk_g2s(st, args.bitmap + (first_gtile + kPair * p) * kWordsPerGt, r.gts * kBitmapBytes,
                                &s_full[stage]);
+        if (r.total > 0)
+          ptx::cp_async_bulk_g2s(st + L::kValueOffset,
+                                 static_cast<const char*>(args.values) + int64_t(s_off[kPair * p]) * 2, r.total * 2,
+                                 &s_full[stage]);
+      }
+      __syncwarp();  // the byte count is posted before any x copy can complete
+      const int k0 = (b.g_begin + kPair * p) * kGt;
+      for (int row = lane; row < b.valid_rows; row += 32)
+        ptx::cp_async_bulk_g2s(st + lay.x_offset + row * kXStride * 2,
+                               static_cast<const char*>(args.x) + (int64_t(b.n0 + row) * args.kp + k0) * 2,
+                               r.gts * kGt * 2, &s_full[stage]);
     };
 
-    auto issue_cp_async = [&](int stage, int i) {  // all threads
+    auto issue_cp_async = [&](int stage, int p) {  // all threads
       unsigned char* st = smem + stage * lay.stage_bytes;
-      for (int r = 0; r < b.rows; ++r) {
-        const int* off = s_off + r * per_row;
-        const char* g_bitmap =
-            reinterpret_cast<const char*>(args.bitmap + (first_gtile(b, r, grid_k) + i) * kWordsPerGt);
-        if (tid < kBitmapBytes / 16) ptx::cp_async_cg_16(st + r * kBitmapBytes + tid * 16, g_bitmap + tid * 16);
-        const char* g_vals = static_cast<const char*>(args.values) + int64_t(off[i]) * 2;
-        for (int c = tid; c < run_length(off, i, args.value_cap) / 8; c += L::kThreads)
-          ptx::cp_async_cg_16(st + L::kValueOffset + r * lay.value_bytes + c * 16, g_vals + c * 16);
-      }
-      const int k0 = (b.g_begin + i) * kGt;
-      for (int c = tid; c < BN * 8; c += L::kThreads) {  // rows past N are zero-filled
-        const int r = c / 8, cc = c % 8;
-        const bool ok = r < b.valid_rows;
-        const char* src =
-            static_cast<const char*>(args.x) + (ok ? (int64_t(b.n0 + r) * args.kp + k0 + cc * 8) * 2 : 0);
-        ptx::cp_async_cg_16(st + lay.x_offset + (r * kXStride + cc * 8) * 2, src, ok);
+      const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
+      const char* g_bitmap = reinterpret_cast<const char*>(args.bitmap + (first_gtile + kPair * p) * kWordsPerGt);
+      if (tid < r.gts * kBitmapBytes / 16) ptx::cp_async_cg_16(st + tid * 16, g_bitmap + tid * 16);
+      const char* g_vals = static_cast<const char*>(args.values) + int64_t(s_off[kPair * p]) * 2;
+      for (int c = tid; c < r.total / 8; c += kBlock)
+        ptx::cp_async_cg_16(st + L::kValueOffset + c * 16, g_vals + c * 16);
+      const int k0 = (b.g_begin + kPair * p) * kGt;
+      constexpr int kChunks = kPair * kGt / 8;  // 16-byte chunks per x row
+      for (int c = tid; c < b.valid_rows * kChunks; c += kBlock) {
+        const int row = c / kChunks, cc = c % kChunks;
+        if (cc < r.gts * kGt / 8)
+          ptx::cp_async_cg_16(st + lay.x_offset + (row * kXStride + cc * 8) * 2,
+                              static_cast<const char*>(args.x) + (int64_t(b.n0 + row) * args.kp + k0 + cc * 8) * 2);
       }
     };
 
@@ -279,83 +316,97 @@ __global__ void __launch_bounds__(Layout<BN, ROWS>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-    auto compute = [&](int stage, int i) {
-      if (rw >= b.rows) return;  // this warp's GroupTile row is past the bottom edge
+    // This lane's row address for ldmatrix.x4: matrix lane/8 is (TCTile +lane/16, k half
+    // (lane/8)%2), row lane%8 of each n8 block; rows of tokens past N read the zero row.
+    const uint32_t x_col = (16 * (lane / 16) + 8 * ((lane / 8) % 2)) * 2;
+    const uint32_t zero_lane = ptx::smem_addr(smem + lay.zero_offset()) + x_col;
+    auto compute = [&](int stage, int p) {
       const unsigned char* st = smem + stage * lay.stage_bytes;
-      decode_and_multiply<kBF16, BN, kLean>(reinterpret_cast<const uint32_t*>(st + rw * kBitmapBytes),
-                                     reinterpret_cast<const uint16_t*>(st + L::kValueOffset + rw * lay.value_bytes),
-                                     run_length(s_off + rw * per_row, i, args.value_cap),
-                                     reinterpret_cast<const uint16_t*>(st + lay.x_offset), s_pack[warp], w, lane,
-                                     acc);
+      const uint32_t x_stage = ptx::smem_addr(st + lay.x_offset) + x_col;
+      uint32_t xa[BN / 8];
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb) {
+        const int row = nb * 8 + lane % 8;
+        xa[nb] = row < b.valid_rows ? x_stage + row * kXStride * 2 : zero_lane;
+      }
+      decode_stage<kBF16, BN, kLean>(reinterpret_cast<const uint32_t*>(st),
+                                     reinterpret_cast<const uint16_t*>(st + L::kValueOffset),
+                                     pair_runs(s_off, b.nk, p, args.value_cap), xa, s_pack[warp], warp, lane, acc);
     };
 
-    // Stage i is consumed while stages i+1 .. i+S-1 are in flight.
+    // Stage p is consumed while stages p+1 .. p+S-1 are in flight; the prefetch at step p
+    // refills the stage consumed at step p-1.
+    const bool producer = kBulk && warp == kWarps;
     if constexpr (kBulk) {
-      if (warp == 0)
-        for (int st = 0; st < S - 1 && st < b.nk; ++st) issue_bulk(st, st);
-      for (int i = 0; i < b.nk; ++i) {
-        __syncthreads();  // all warps are done with stage i-1, which the prefetch overwrites
-        const int pf = i + S - 1;
-        if (warp == 0 && pf < b.nk) issue_bulk(pf % S, pf);
-        ptx::mbarrier_wait_parity(&s_full[i % S], (i / S) & 1);
-        compute(i % S, i);
+      if (producer)
+        for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st);
+      int cs = 0, ps = S - 1;
+      uint32_t parity = 0;
+      for (int p = 0; p < np; ++p) {
+        __syncthreads();  // all warps are done with stage ps, which the prefetch overwrites
+        const int pf = p + S - 1;
+        if (producer) {
+          if (pf < np) issue_bulk(ps, pf);
+        } else {
+          ptx::mbarrier_wait_parity(&s_full[cs], parity);
+          compute(cs, p);
+        }
+        ps = cs;
+        if (++cs == S) cs = 0, parity ^= 1u;
       }
     } else {
-      // A group is committed every iteration (empty near the end) so wait_group's count
-      // stays uniform.
-#pragma unroll
+      // A group is committed every step (empty near the end) so wait_group's count stays
+      // uniform: S-2 younger groups may still be in flight when stage p must be complete.
       for (int st = 0; st < S - 1; ++st) {
-        if (st < b.nk) issue_cp_async(st, st);
+        if (st < np) issue_cp_async(st, st);
         ptx::cp_async_commit_group();
       }
-      for (int i = 0; i < b.nk; ++i) {
-        ptx::cp_async_wait_group<S - 2>();
-        // Stage i is visible to all threads, and all threads are done with stage i-1, whose
+      int cs = 0, ps = S - 1;
+      for (int p = 0; p < np; ++p) {
+        ptx::cp_async_wait_group_dynamic(S - 2);
+        // Stage p is visible to all threads, and all threads are done with stage ps, whose
         // buffer the prefetch below overwrites.
         __syncthreads();
-        const int pf = i + S - 1;
-        if (pf < b.nk) issue_cp_async(pf % S, pf);
+        const int pf = p + S - 1;
+        if (pf < np) issue_cp_async(ps, pf);
         ptx::cp_async_commit_group();
-        compute(i % S, i);
+        compute(cs, p);
+        ps = cs;
+        if (++cs == S) cs = 0;
       }
       ptx::cp_async_wait_group<0>();
     }
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-    store_tile<kBF16, BN, kGt * ROWS, L::kThreads>(out, b.row0 * kGt, rw * kGt + w * 16 + lane / 4, b.n0, b.split,
-                                                   splits, acc, lane, tid, &s_is_last);
+    store_tile<kBF16, BN, kGt, kBlock>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, b.split, splits, acc, lane, tid,
+                                       &s_is_last, !producer);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side of one (dtype, BN, ROWS) instantiation; instantiated in spmm_smbd_{fp16,bf16}.cu so
-// the two dtypes compile in parallel.
-template <bool kBF16, int BN, int ROWS>
-int smem_bytes(int k_per_split, int value_cap) {
-  return Layout<BN, ROWS>(value_cap).smem_bytes(k_per_split);
+// Host side of one (dtype, BN) instantiation; instantiated in spmm_smbd_{fp16,bf16}.cu so the
+// two dtypes compile in parallel.
+template <int BN>
+int smem_bytes(int k_per_split, int value_cap, int stages, int n) {
+  return Layout<BN>(value_cap, stages, n).smem_bytes(k_per_split);
 }
 
-template <bool kBF16, int BN, int ROWS>
+template <bool kBF16, int BN>
 cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream) {
-  auto kernel = plan.bulk ? (plan.lean ? spmm_smbd_kernel<kBF16, BN, ROWS, true, true>
-                                       : spmm_smbd_kernel<kBF16, BN, ROWS, true, false>)
-                          : (plan.lean ? spmm_smbd_kernel<kBF16, BN, ROWS, false, true>
-                                       : spmm_smbd_kernel<kBF16, BN, ROWS, false, false>);
+  auto kernel = plan.bulk ? (plan.lean ? spmm_smbd_kernel<kBF16, BN, true, true> : spmm_smbd_kernel<kBF16, BN, true, false>)
+                          : (plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true>
+                                       : spmm_smbd_kernel<kBF16, BN, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(plan.n_tiles, (plan.grid_m + ROWS - 1) / ROWS, plan.splits);
-  kernel<<<grid, Layout<BN, ROWS>::kThreads, plan.smem_bytes, stream>>>(args, plan.grid_m, plan.grid_k,
-                                                                          plan.k_per_split, plan.splits);
+  const dim3 grid(plan.n_tiles, plan.grid_m, plan.splits);
+  kernel<<<grid, plan.bulk ? kThreads<true> : kThreads<false>, plan.smem_bytes, stream>>>(args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages);
   return cudaGetLastError();
 }
 
-#define SPINFER_SMBD_FOR_TILES(X, BF16) \
-  X(BF16, 8, 1) X(BF16, 16, 1) X(BF16, 32, 1) X(BF16, 64, 1) X(BF16, 8, 2) X(BF16, 16, 2) X(BF16, 32, 2) X(BF16, 64, 2)
-#define SPINFER_SMBD_INSTANTIATE_ONE(BF16, BN, ROWS)                                              \
-  template cudaError_t launch<BF16, BN, ROWS>(const SpmmArgs&, const SpmmPlan&, cudaStream_t); \
-  template int smem_bytes<BF16, BN, ROWS>(int, int);
-#define SPINFER_SMBD_EXTERN_ONE(BF16, BN, ROWS)                                                          \
-  extern template cudaError_t launch<BF16, BN, ROWS>(const SpmmArgs&, const SpmmPlan&, cudaStream_t); \
-  extern template int smem_bytes<BF16, BN, ROWS>(int, int);
+#define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64)
+#define SPINFER_SMBD_INSTANTIATE_ONE(BF16, BN) \
+  template cudaError_t launch<BF16, BN>(const SpmmArgs&, const SpmmPlan&, cudaStream_t);
+#define SPINFER_SMBD_EXTERN_ONE(BF16, BN) \
+  extern template cudaError_t launch<BF16, BN>(const SpmmArgs&, const SpmmPlan&, cudaStream_t);
 
 }  // namespace smbd
 }  // namespace spinfer

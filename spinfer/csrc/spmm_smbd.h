@@ -25,11 +25,11 @@ struct SpmmArgs {
 struct SpmmPlan {
   int bn;           // tokens per block tile: 8, 16, 32 or 64
   int n_tiles;      // ceil(n / bn)
-  int rows;         // GroupTile rows per block: 1 or 2 (sharing each x slice)
   int grid_m;       // GroupTile rows: ceil(m / 64)
   int grid_k;       // GroupTile columns: kp / 64
   int splits;       // split-K factor (1: no reduction)
-  int k_per_split;  // GroupTiles per split
+  int k_per_split;  // GroupTiles per split (even: the pipeline moves GroupTiles in pairs)
+  int stages;       // pipeline stages of two GroupTiles each: 2..4
   int64_t workspace_floats;
   int counters;
   int value_cap;    // longest value run rounded up to 8, in [8, 4096]
@@ -39,9 +39,9 @@ struct SpmmPlan {
                     // offsets clamped per word (BN >= 32); SPINFER_DECODE=lean|safe overrides
 };
 
-// Tile size, split-K, loader and workspace for a problem on `device`. For tuning and tests,
-// SPINFER_SPLITS overrides the split-K choice, SPINFER_ROWS (1 or 2) the GroupTile rows per
-// block and SPINFER_LOADER=cp_async the loader.
+// Tile size, split-K, pipeline depth, loader and workspace for a problem on `device`. For
+// tuning and tests, SPINFER_SPLITS overrides the split-K choice, SPINFER_STAGES (2..4) the
+// pipeline depth and SPINFER_LOADER=cp_async the loader.
 // max_run is the weight's longest GroupTile run (TCABME.max_run); SPINFER_VALUE_CAP overrides
 // the value buffer size (for A/B runs; a value below max_run truncates runs).
 SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool bf16);

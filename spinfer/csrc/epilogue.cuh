@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "ptx.cuh"
+
 namespace spinfer {
 
 template <bool kBF16>
@@ -77,12 +79,19 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
 #pragma unroll
       for (int e = 0; e < 4; ++e) part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
   }
-  __threadfence();  // partials visible device-wide before this block is counted
+  // One thread publishes the block's partials and counts it: the barrier orders every
+  // thread's partial stores before its fence, which is cumulative (the pattern of CUTLASS's
+  // semaphore). One acq_rel fence per block instead of a sequentially consistent
+  // __threadfence() in every thread, which ncu showed stalling the end of every split block.
   __syncthreads();
-  if (tid == 0) *s_is_last = atomicAdd(o.counters + tile, 1) == splits - 1;
+  if (tid == 0) {
+    ptx::fence_acq_rel_gpu();  // release: the block's partials before the count
+    const bool last = atomicAdd(o.counters + tile, 1) == splits - 1;
+    if (last) ptx::fence_acq_rel_gpu();  // acquire: the other splits' partials before the reads below
+    *s_is_last = last;
+  }
   __syncthreads();
   if (!*s_is_last) return;
-  __threadfence();  // pairs with the writers' fence: their partials are visible now
   const float* base = o.workspace + tile * kTileFloats;
   for (int idx = tid; idx < kTileFloats; idx += kThreads) {
     const int m = m_base + idx % kBlockRows, n = n0 + idx / kBlockRows;

@@ -72,6 +72,10 @@ __device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
   return v;
 }
 
+// Device-scope acquire-release fence: with a relaxed atomic after it (release) or before it
+// (acquire), the pattern that publishes a block's global writes to the block that reads them.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
 // ---- sm_90: bulk async copies completing on an mbarrier (the copy engine moves a whole
 // contiguous run, so one thread issues what 128 threads of cp.async would) ----------------
 

@@ -45,12 +45,12 @@ class DeviceProfile:
     tensor_flops: float = 6.0e14  # dense fp16 FLOP/s at large N
     launch: float = 6e-6  # fixed cost per kernel call
     # The SMBD kernel's fixed cost (launch, split-K counter reset, pipeline fill and the
-    # reduction): a 1024x4096 layer at 50-70% takes 18 us against cuBLAS's 9.7 us on H100
-    # (spinfer bench policy, 2026-11-22), which decides small layers for dense.
-    spmm_launch: float = 1.5e-5
-    # SMBD decode cost per GroupTile (64x64) on the whole GPU, by token tile BN; N > 64 pays
-    # the BN=64 cost once per 64 tokens.
-    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 2.45e-9, 16: 3.15e-9, 32: 4.6e-9, 64: 10.5e-9})
+    # reduction) and its decode cost per GroupTile (64x64) on the whole GPU by token tile BN
+    # (N > 64 pays the BN=64 cost once per 64 tokens): fitted to the v7 kernel on H100 at 50%,
+    # 4096x4096 and 28672x8192 (spinfer bench spmm, 2026-11-22: 21.0 and 120.2 us at N=1;
+    # 137 / 171 / 314 us at N = 16 / 32 / 64). The fixed cost decides small layers for dense.
+    spmm_launch: float = 1.35e-5
+    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.86e-9, 16: 2.16e-9, 32: 2.75e-9, 64: 5.24e-9})
     # bytes/s of TCA-BME -> dense (or low-bit -> dense) with torch ops: an estimate, not a
     # measurement; calibrate() measures it
     decode_bandwidth: float = 4.0e11

@@ -115,3 +115,16 @@ def test_bench_front_door(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert bench_main(["lowbit", "--quick"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
     assert bench_main(["compression", "--shape", "12by4"]) == 2
+
+
+def test_lowbit_summary_covers_only_the_issue_shapes(capsys):
+    """Rows of extra shapes (here a slow 1024x4096) stay out of the geomean the summary prints."""
+    from spinfer.bench.lowbit import SHAPES, print_summary
+
+    def row(m, k, speedup):
+        return {"M": m, "K": k, "N": 1, "bits": 4, "group": 128, "speedup": speedup, "pct_copy": 50.0,
+                "int4_speedup": None}
+
+    print_summary([row(m, k, 2.0) for m, k in SHAPES] + [row(1024, 4096, 0.5)])
+    out = capsys.readouterr().out
+    assert "4-bit g128  N=1    geomean  2.00x  (min 2.00x" in out

@@ -225,9 +225,11 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
 
 // Resident blocks the register allocation must allow. Occupancy is this kernel's strongest
 // lever; on sm_90 at BN <= 16 shared memory allows 9-13 blocks per SM (50-70% sparsity), so
-// registers are capped at 40 (10 blocks of 5 warps) rather than left to reach 48 (8), at no
-// spills (asking for 10 blocks gave 32 registers and spills). 0 (elsewhere): the compiler's
-// choice, since a cap spilled the cp.async variants.
+// registers are capped at 40 (10 blocks of 5 warps) rather than left to reach 48 (8). The
+// default (lean) variants do not spill under the cap; the per-word clamped one at BN = 16,
+// reached only through SPINFER_DECODE=safe, spills 12 bytes. Asking for 10 blocks gave 32
+// registers and spills everywhere. 0 (elsewhere): the compiler's choice, since a cap spilled
+// the cp.async variants.
 template <int BN, bool kBulk>
 constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 

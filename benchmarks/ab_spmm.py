@@ -2,7 +2,7 @@
 planner. A configuration is a '+'-joined list of SPINFER_* environment overrides read by the
 planner at every launch (SPLITS, STAGES, LOADER, DECODE, VALUE_CAP); 'auto' is the planner's own choice.
 
-    python benchmarks/ab_spmm.py --configs auto,SYNC=mbarrier,SPLITS=8 \\
+    python benchmarks/ab_spmm.py --configs auto,STAGES=3,SPLITS=8 \\
         [--shapes 28672x8192,4096x14336] [--ns 1,8,16,32] [--sparsity 0.5]
 """
 

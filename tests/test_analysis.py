@@ -15,6 +15,7 @@ from spinfer.bench.__main__ import main as bench_main
 from spinfer.format import TCABME
 
 DOCS_CSV = Path(__file__).resolve().parents[1] / "docs" / "spmm-h100-2026-11-22.csv"
+LOWBIT_CSV = DOCS_CSV.with_name("lowbit-h100-2026-11-22.csv")
 
 
 def sparse_weight(m, k, s):
@@ -100,6 +101,33 @@ def test_roofline_points_and_plot(tmp_path):
     assert (tmp_path / "roof.png").stat().st_size > 20_000
 
 
+def test_roofline_lowbit_points(tmp_path):
+    from spinfer.analysis.compression import lowbit_bytes
+
+    # Closed form: 4-bit g128 on 4096x4096 at N=1 moves 8 MiB of integers, 512 KiB of scale/zero
+    # pairs, x and y.
+    m = k = 4096
+    assert lowbit_bytes(m, k, 4, 128) == m * k // 2 + 4 * m * (k // 128)
+    assert R.intensity_lowbit(m, k, 1, 4, 128) == pytest.approx(2 * m * k / (m * k / 2 + 4 * m * 32 + 2 * k + 2 * m))
+    assert R.intensity_lowbit(m, k, 8, 2, 64) > R.intensity_lowbit(m, k, 8, 4, 128) > R.intensity_dense(m, k, 8)
+    with pytest.raises(ValueError, match="bits"):
+        R.intensity_lowbit(m, k, 1, 3, 128)
+    pts = R.points_from_lowbit_csv(LOWBIT_CSV, max_n=16)
+    assert {p["kind"] for p in pts} == {"w4 g128", "w8 g128", "w2 g64"}
+    assert max(p["N"] for p in pts) == 16
+    c = R.Ceilings()
+    assert all(0 < R.roof_fraction(p, c) < 1.05 for p in pts)
+    summary = R.roof_summary(pts + R.points_from_bench_csv(DOCS_CSV, max_n=16), c)
+    lo, med, hi = summary["w4 g128"]
+    assert 0 < lo <= med <= hi < 1.05 and "cuBLAS" in summary and "spmm 50%" in summary
+    # A CSV row turned into a point by hand: the plot's y is dense-equivalent FLOP/s.
+    csv_path = tmp_path / "lb.csv"
+    csv_path.write_text("M,K,N,bits,group,lowbit_us\n4096,4096,1,4,128,10.0\n4096,4096,1,8,None,20.0\n")
+    a, b = R.points_from_lowbit_csv(csv_path)
+    assert a["flops"] == pytest.approx(2 * m * k / 10e-6) and a["kind"] == "w4 g128"
+    assert b["kind"] == "w8 gch" and b["intensity"] == pytest.approx(R.intensity_lowbit(m, k, 1, 8, k))
+
+
 def test_bench_front_door(tmp_path, capsys):
     assert bench_main(["compression", "--quick", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "compression.csv").exists() and (tmp_path / "compression.png").exists()
@@ -107,6 +135,12 @@ def test_bench_front_door(tmp_path, capsys):
     assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--bandwidth", "3000", "--flops", "800",
                        "--out", str(tmp_path)]) == 0
     assert "% of roof" in capsys.readouterr().out
+    assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--lowbit-csv", str(LOWBIT_CSV),
+                       "--shapes", "28672x8192,4096x14336", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "w4 g128" in out and "median" in out and " 4096  4096 " not in out
+    assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--shapes", "1x1", "--out", str(tmp_path)]) == 2
+    assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--shapes", "big", "--out", str(tmp_path)]) == 2
     assert bench_main(["roofline", "--csv", str(DOCS_CSV), "--bandwidth", "3000", "--out", str(tmp_path)]) == 2
     assert bench_main(["nonsense"]) == 2
     assert bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "2", "--batches", "1,2", "--steps", "3"]) == 0

@@ -5,7 +5,9 @@ must move:
 
 * dense GEMM: 2 M K + 2 K N + 2 M N bytes (fp16);
 * SpMM with a format of compression ratio CR (eq. 7): 2 M K / CR + 2 K N + 2 M N;
-* the index-free optimum (eq. 8): only the nonzero values, 2 M K (1 - s) + 2 K N + 2 M N.
+* the index-free optimum (eq. 8): only the nonzero values, 2 M K (1 - s) + 2 K N + 2 M N;
+* weight-only low-bit: M K bits / 8 + 4 M ceil(K / group) (an fp16 scale and zero per group)
+  + 2 K N + 2 M N.
 
 Attainable FLOP/s = min(tensor rate, intensity x bandwidth). Ceilings are measured on the GPU
 (:func:`measure_ceilings`, cached per device), given by the user, or the H100 80GB HBM3 figures
@@ -85,6 +87,17 @@ def intensity_optimal(m: int, k: int, n: int, sparsity: float) -> float:
     return 2.0 * m * k * n / (2 * m * k * (1 - sparsity) + 2 * k * n + 2 * m * n)
 
 
+def intensity_lowbit(m: int, k: int, n: int, bits: int, group: int = 128) -> float:
+    """Dense-equivalent FLOPs over the bytes of a weight-only low-bit layer (packed integers plus
+    one fp16 scale and zero per group; ``group`` = K for per-channel)."""
+    _check(m, k, n)
+    from .compression import lowbit_bytes
+
+    if bits not in (1, 2, 4, 8) or group < 1:
+        raise ValueError(f"bits must be 1, 2, 4 or 8 and group >= 1, got bits={bits}, group={group}")
+    return 2.0 * m * k * n / (lowbit_bytes(m, k, bits, group) + 2 * k * n + 2 * m * n)
+
+
 def attainable(intensity: float, c: Ceilings) -> float:
     return min(c.flops, intensity * c.bandwidth)
 
@@ -107,9 +120,38 @@ def points_from_bench_csv(path, max_n: Optional[int] = None) -> List[dict]:
     return pts
 
 
+def points_from_lowbit_csv(path, max_n: Optional[int] = None) -> List[dict]:
+    """Measured points from a ``bench_lowbit`` CSV: one low-bit point per case, labelled
+    ``w<bits> g<group>``. cuBLAS is left to the SpMM CSV (same method, same device)."""
+    pts = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            m, k, n, bits = int(r["M"]), int(r["K"]), int(r["N"]), int(r["bits"])
+            group = int(r["group"]) if r["group"] not in ("", "None", "-1", "0") else k
+            if max_n is not None and n > max_n:
+                continue
+            pts.append({"kind": f"w{bits} g{'ch' if group == k else group}", "M": m, "K": k, "N": n,
+                        "intensity": intensity_lowbit(m, k, n, bits, group),
+                        "flops": 2.0 * m * k * n / (float(r["lowbit_us"]) * 1e-6)})
+    return pts
+
+
 def roof_fraction(point: dict, c: Ceilings) -> float:
     """Achieved / attainable at the point's intensity."""
     return point["flops"] / attainable(point["intensity"], c)
+
+
+def roof_summary(points: List[dict], c: Ceilings, max_n: int = 16) -> dict:
+    """Per series (kind): (min, median, max) of :func:`roof_fraction` over its points with
+    N <= max_n."""
+    out = {}
+    for kind in sorted({p["kind"] for p in points}):
+        fr = sorted(roof_fraction(p, c) for p in points if p["kind"] == kind and p["N"] <= max_n)
+        if fr:
+            mid = len(fr) // 2
+            med = fr[mid] if len(fr) % 2 else 0.5 * (fr[mid - 1] + fr[mid])
+            out[kind] = (fr[0], med, fr[-1])
+    return out
 
 
 def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: bool = True) -> None:
@@ -126,7 +168,9 @@ def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: b
     kinds = sorted({p["kind"] for p in points})
     for kind in kinds:
         sel = [p for p in points if p["kind"] == kind]
-        ax.scatter([p["intensity"] for p in sel], [p["flops"] / 1e12 for p in sel], s=16, label=kind, zorder=3)
+        marker = "^" if kind.startswith("w") else ("s" if kind == "cuBLAS" else "o")  # low-bit, dense, sparse
+        ax.scatter([p["intensity"] for p in sel], [p["flops"] / 1e12 for p in sel], s=16, label=kind, zorder=3,
+                   marker=marker)
         if label_points:
             for p in sel:
                 ax.annotate(f"N={p['N']}", (p["intensity"], p["flops"] / 1e12), fontsize=5, alpha=0.7,

@@ -2,7 +2,8 @@
 PNG files into a results folder.
 
     spinfer bench compression [--shape 4096x4096] [--quick] [--out results]
-    spinfer bench roofline --csv results/spmm.csv [--bandwidth GBPS --flops TFLOPS | --measure]
+    spinfer bench roofline --csv results/spmm.csv [--lowbit-csv results/lowbit.csv]
+                           [--bandwidth GBPS --flops TFLOPS | --measure]
     spinfer bench spmm [--quick] [--csv results/spmm.csv]          (needs a CUDA GPU)
     spinfer bench lowbit [--quick] [--csv results/lowbit.csv]      (needs a CUDA GPU)
     spinfer bench e2e [--layers 4] [--batches 1,8,16]              (CUDA; --tiny --device cpu smoke run)
@@ -53,10 +54,12 @@ def run_compression(argv) -> int:
 def run_roofline(argv) -> int:
     p = argparse.ArgumentParser(prog="spinfer bench roofline")
     p.add_argument("--csv", required=True, help="a CSV written by spinfer bench spmm")
+    p.add_argument("--lowbit-csv", help="a CSV written by spinfer bench lowbit: adds the low-bit points")
     p.add_argument("--bandwidth", type=float, help="GB/s (copy, read + write) of the device to model")
     p.add_argument("--flops", type=float, help="dense fp16 TFLOP/s of the device to model")
     p.add_argument("--measure", action="store_true", help="measure the ceilings on this GPU")
     p.add_argument("--max-n", type=int, default=256)
+    p.add_argument("--shapes", help="keep only these MxK shapes, e.g. 28672x8192,4096x14336")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
     if a.measure:
@@ -68,8 +71,16 @@ def run_roofline(argv) -> int:
     else:
         c = roofline.Ceilings()
     pts = roofline.points_from_bench_csv(a.csv, max_n=a.max_n)
+    if a.lowbit_csv:
+        pts += roofline.points_from_lowbit_csv(a.lowbit_csv, max_n=a.max_n)
+    if a.shapes:
+        try:
+            keep = {tuple(int(v) for v in sh.split("x")) for sh in a.shapes.split(",")}
+        except ValueError:
+            raise ValueError(f"--shapes must look like 28672x8192,4096x14336, got {a.shapes!r}") from None
+        pts = [pt for pt in pts if (pt["M"], pt["K"]) in keep]
     if not pts:
-        raise ValueError(f"{a.csv} holds no benchmark rows")
+        raise ValueError(f"{a.csv} holds no benchmark rows" + (f" for shapes {a.shapes}" if a.shapes else ""))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     roofline.plot(c, pts, out / "roofline.png")
@@ -79,6 +90,9 @@ def run_roofline(argv) -> int:
         if pt["N"] <= 16:
             print(f"{pt['kind']:<10} {pt['M']:>6} {pt['K']:>6} {pt['N']:>4} {pt['intensity']:>7.2f} "
                   f"{pt['flops'] / 1e12:>8.2f} {100 * roofline.roof_fraction(pt, c):>8.0f}%")
+    print("share of the roof at N <= 16, per series:")
+    for kind, (lo, med, hi) in roofline.roof_summary(pts, c, max_n=16).items():
+        print(f"  {kind:<10} {100 * lo:>4.0f}% .. {100 * hi:>4.0f}%, median {100 * med:.0f}%")
     print(f"wrote {out / 'roofline.png'}")
     return 0
 

@@ -1,6 +1,8 @@
 """Where the time of spinfer.lowbit_mm goes, on a GPU: host time per call, device time
 (spinfer.timing.median_time) against cuBLAS and against a plain read of the same bytes (the
-ceiling for any kernel that streams the weight once), and a split-K sweep of the kernel alone.
+ceiling for any kernel that streams the weight once), the zero-point paths A/B (integer zeros
+in the A fragments vs every zero through sum(x), SPINFER_LOWBIT_XSUM=1) at N = 1/8/16/32, and a
+split-K sweep of the kernel alone.
 
     python scripts/profile_lowbit.py [BITS GROUP]
 """
@@ -44,6 +46,19 @@ for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:
     read = lambda: torch.sum(buf, dtype=torch.int32)  # noqa: E731
     print(f"  device us: lowbit {event_time(direct):.1f}; cuBLAS {event_time(dense):.1f}; "
           f"torch.sum over the same {wbytes / 1e6:.0f} MB (the read ceiling) {event_time(read):.1f}")
+    ab = []
+    for n in (1, 8, 16, 32):
+        xn = torch.randn(n, k, device=dev).half()
+        on = torch.empty(n, m, device=dev).half()
+        run = lambda: torch.ops.spinfer.lowbit_mm_out(xn, q.qweight, q.scale_zero, bits, q.group_size, m, k,  # noqa
+                                                      None, None, out=on)
+        t = {}
+        for flag in ("0", "1", "0", "1"):  # interleaved, last of each kept: same process, warm
+            os.environ["SPINFER_LOWBIT_XSUM"] = flag
+            t[flag] = event_time(run)
+        os.environ.pop("SPINFER_LOWBIT_XSUM")
+        ab.append(f"N={n}: {t['0']:.1f} vs {t['1']:.1f} (cuBLAS {event_time(lambda: F.linear(xn, w)):.1f})")
+    print("  zero in A vs sum(x) forced, us: " + "; ".join(ab))
     sweep = []
     for s in (1, 2, 3, 4, 6, 8, 12, 16):
         os.environ["SPINFER_LOWBIT_SPLITS"] = str(s)

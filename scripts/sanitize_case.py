@@ -1,7 +1,7 @@
 """Small and odd launches for compute-sanitizer (memcheck, racecheck, synccheck): SpMM with
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
 variants, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
-width and group, odd M and K, split-K on and off, every tile width."""
+width and group, odd M and K, split-K on and off, every tile width, both zero-point paths."""
 
 import os
 
@@ -31,6 +31,7 @@ for bits in (1, 2, 4, 8):
     for m, k, group, n, splits in [(333, 1000, None, 1, "1"), (70, 1280, 64, 16, "3"), (130, 1152, 32, 33, "2"),
                                    (64, 256, 128, 8, "1")]:
         os.environ["SPINFER_LOWBIT_SPLITS"] = splits
+        os.environ["SPINFER_LOWBIT_XSUM"] = "1" if n % 2 else "0"  # both zero-point paths
         for dt in (torch.float16, torch.bfloat16):
             q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
             x = torch.randn(n, k, device="cuda").to(dt)

@@ -83,6 +83,45 @@ def test_hqq_fractional_zeros():
     assert rel_err(fused(x, q), reference(x, q)) <= 2e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_integer_and_fractional_zero_points_in_one_warp(dtype, monkeypatch):
+    # The kernel subtracts a zero point's integer part in the A fragments and applies the rest
+    # through sum(x), per 16-row warp tile and segment. Rows here mix integer zeros, fractional
+    # ones, and zeros past the integer range (fp16 +-1024, bf16 +-128) that must fall back to the
+    # sum; SPINFER_LOWBIT_XSUM=1 forces the sum path for all of them.
+    m, k = 160, 512
+    for bits in BITS:
+        levels = (1 << bits) - 1
+        w_q = torch.randint(0, levels + 1, (m, k), device="cuda")
+        scale = torch.rand(m, k // 64, device="cuda") * 0.02 + 0.001
+        zero = torch.randint(0, levels + 1, (m, k // 64), device="cuda").float()
+        zero[5] += 0.25                      # one fractional row inside the first warp's tile
+        zero[40:48] = torch.rand(8, k // 64, device="cuda") * levels  # a fractional block
+        zero[70, 0] = 3000.0 if dtype == torch.float16 else 200.0     # past the exact range
+        zero[71, 1] = -2000.0 if dtype == torch.float16 else -300.0
+        q = LowBitWeight.from_hqq(w_q, scale.to(dtype), zero.to(dtype), bits, 64, (m, k))
+        for n in (1, 16, 40):
+            x = torch.randn(n, k, device="cuda").to(dtype)
+            ref = reference(x, q)
+            monkeypatch.delenv("SPINFER_LOWBIT_XSUM", raising=False)
+            mixed = fused(x, q)
+            monkeypatch.setenv("SPINFER_LOWBIT_XSUM", "1")
+            forced = fused(x, q)
+            assert rel_err(mixed, ref) <= TOL[dtype], (bits, n, "per-segment choice")
+            assert rel_err(forced, ref) <= TOL[dtype], (bits, n, "sum(x) forced")
+
+
+def test_integer_zero_path_is_exact_up_to_the_output_rounding():
+    # RTN weights have integer zeros: A holds q - z exactly and fp32 accumulates, so the output
+    # is the exact product rounded once to fp16 but for the rare sums that land within fp32
+    # error of a rounding boundary.
+    q = LowBitWeight.quantize(torch.randn(256, 4096, device="cuda").half(), 4, 128)
+    x = torch.randn(8, 4096, device="cuda").half()
+    out, ref = fused(x, q), reference(x, q)
+    assert rel_err(out, ref) <= 4e-4
+    assert (out.cpu() != ref.half().cpu()).float().mean().item() < 0.01
+
+
 def test_gptq_act_order_on_cuda():
     qweight, scales, qzeros, g_idx, w_ref = random_gptq(512, 72, 4, 128, True)
     q = LowBitWeight.from_gptq(qweight, scales, qzeros, bits=4, group_size=128, g_idx=g_idx).to("cuda")

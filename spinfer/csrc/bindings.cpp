@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 
 #include "lowbit_mm.h"
@@ -218,6 +219,8 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   a.groups = static_cast<int>(groups);
   a.bits = static_cast<int>(bits);
   a.bf16 = bf16;
+  const char* force_xsum = std::getenv("SPINFER_LOWBIT_XSUM");
+  a.force_xsum = force_xsum != nullptr && force_xsum[0] == '1';
   C10_CUDA_CHECK(lowbit_mm_run(a, plan, at::cuda::getCurrentCUDAStream()));
 }
 

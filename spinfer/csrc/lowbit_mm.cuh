@@ -88,6 +88,7 @@ struct Num;
 template <>
 struct Num<false> {
   static constexpr uint32_t kMagic = 0x64006400u;  // half2(1024, 1024)
+  static constexpr float kMagicValue = 1024.f;
   static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
     const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
     return *reinterpret_cast<const uint32_t*>(&r);
@@ -111,6 +112,7 @@ struct Num<false> {
 template <>
 struct Num<true> {
   static constexpr uint32_t kMagic = 0x43004300u;  // bfloat162(128, 128)
+  static constexpr float kMagicValue = 128.f;
   static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
     const __nv_bfloat162 r =
         __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
@@ -135,24 +137,43 @@ struct Num<true> {
   }
 };
 
-// Values s and s + V/2 of a packed word as an exact half2/bfloat162 of q: one LOP3 (the
-// magic-number conversion: 0x6400 | q is 1024 + q in fp16, 0x4300 | q is 128 + q in bf16) and
-// one HSUB2 of the magic. Feeding 1024 + q to the tensor cores and correcting per segment
-// would save the HSUB2, but measured on H100 it loses ~3 digits to the accumulation of the
-// large offset (1-bit rows failed the 2e-3 bound) and did not change the kernel's speed.
+// Values s and s + V/2 of a packed word as an exact half2/bfloat162 of q - zi, zi an integer
+// zero point: one LOP3 (the magic-number conversion: 0x6400 | q is 1024 + q in fp16, 0x4300 | q
+// is 128 + q in bf16) and one HSUB2 of zc = magic + zi (both exact, so the difference is).
+// fp16 4-bit saves the shifts of odd pairs: masking the nibble in place gives 1024 + 16q (still
+// inside the 10-bit mantissa), and one HFMA2 by 1/16 minus zc16 = 64 + zi gives q - zi exactly,
+// so a word costs one shift (for pairs 2, 3) instead of three. Feeding 1024 + q to the tensor
+// cores and correcting per segment would save the HSUB2, but measured on H100 it loses ~3 digits
+// to the accumulation of the large offset (1-bit rows failed the 2e-3 bound) and did not change
+// the kernel's speed.
 template <bool kBF16, int BITS>
-__device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s) {
+__device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t zc, uint32_t zc16) {
   constexpr uint32_t kMask = ((1u << BITS) - 1u) * 0x00010001u;
-  const uint32_t shifted = word >> (BITS * s);
-  if constexpr (kBF16 && BITS == 8) {
+  if constexpr (!kBF16 && BITS == 4) {
+    const uint32_t base = (s & 2) ? word >> 8 : word;
+    if (s & 1) return Num<false>::fma(ptx::and_or(base, kMask << 4, Num<false>::kMagic), 0x2c002c00u /* 1/16 */, zc16);
+    return Num<false>::sub(ptx::and_or(base, kMask, Num<false>::kMagic), zc);
+  } else if constexpr (kBF16 && BITS == 8) {
     // bf16 holds 128 + q exactly only for q < 128: convert the low 7 bits that way and add
-    // bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16.
+    // bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16. zi is always 0 here (q - zi
+    // could reach 383, past bf16's exact integers), so zc is the magic.
+    const uint32_t shifted = word >> (BITS * s);
     const uint32_t low = ptx::and_or(shifted, 0x007f007fu, Num<true>::kMagic);
     const uint32_t high = ((shifted >> 7) & 0x00010001u) * 0x4300u;
-    return Num<true>::add(Num<true>::sub(low, Num<true>::kMagic), high);
+    return Num<true>::add(Num<true>::sub(low, zc), high);
   } else {
-    return Num<kBF16>::sub(ptx::and_or(shifted, kMask, Num<kBF16>::kMagic), Num<kBF16>::kMagic);
+    return Num<kBF16>::sub(ptx::and_or(word >> (BITS * s), kMask, Num<kBF16>::kMagic), zc);
   }
+}
+
+// The integer part zi of a zero point that the A fragments subtract exactly (see unpack_pair):
+// |q - zi| and magic + zi must be exact integers in the weight dtype. The rest, z - zi (0 for
+// RTN and GPTQ weights, fractional for HQQ), is applied on the accumulators through sum(x).
+template <bool kBF16, int BITS>
+__device__ __forceinline__ float integer_zero(float z) {
+  if constexpr (kBF16 && BITS == 8) return 0.f;
+  constexpr float kLo = kBF16 ? -128.f : -1024.f, kHi = kBF16 ? 127.f : 1023.f;
+  return fminf(fmaxf(rintf(z), kLo), kHi);  // NaN clamps to a number; z - zi stays NaN
 }
 
 // A lane's BITS words at byte `offset` of swizzled row `r` (whose first byte is `row`).
@@ -197,23 +218,22 @@ __global__ void __launch_bounds__(kThreads)
   // All threads: 16-byte copies of weights and activations, 4-byte copies of (scale, zero)
   // pairs. Weight tiles are padded to 64 rows and whole stages in the format; scales of rows
   // past M and tokens past N are zero-filled, so padded rows compute 0 and are never stored.
-  // Per-thread copy slots, fixed for the whole kernel: the loops below have compile-time trip
-  // counts and hoisted offsets, so a stage costs a few instructions per copy (a runtime-bounded
-  // `for (p = tid; ...)` version spent ~700 IMAD per stage on address arithmetic).
+  // Per-thread copy slots, fixed for the whole kernel, are one base offset plus compile-time
+  // steps: a thread's weight pieces are kWRowStep rows apart (a multiple of the swizzle period)
+  // and its x pieces kXRowStep token rows apart. Per-slot offsets kept in arrays were
+  // rematerialized from the thread index at every stage (~90 of a stage's ~450 instructions,
+  // SASS of 4-bit BN=8); a runtime-bounded `for (p = tid; ...)` loop cost ~700 IMAD a stage.
   constexpr int kWPieces = kRowBytes / 16;
   constexpr int kWCopies = kBlockRows * kWPieces / kThreads;
-  constexpr int kSzSlots = kBlockRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
-  constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
-  static_assert(kBlockRows * kWPieces % kThreads == 0, "whole weight copy rounds");
-  int w_dst[kWCopies];
-#pragma unroll
-  for (int i = 0; i < kWCopies; ++i) {
-    const int p = tid + i * kThreads, r = p / kWPieces, piece = p % kWPieces;
-    w_dst[i] = r * L::kWStride + (piece ^ piece_swizzle<BITS>(r)) * 16;
-  }
+  constexpr int kWRowStep = kThreads / kWPieces;
+  static_assert(kBlockRows * kWPieces % kThreads == 0 && kWRowStep % 8 == 0, "whole weight copy rounds");
+  const int w_row = tid / kWPieces;
+  const int w_dst = w_row * L::kWStride + ((tid % kWPieces) ^ piece_swizzle<BITS>(w_row)) * 16;
   const unsigned char* w_src = reinterpret_cast<const unsigned char*>(args.qweight) +
                                (static_cast<int64_t>(blockIdx.y) * total_iters + it_begin) * kBlockRows * kRowBytes +
                                tid * 16;
+  constexpr int kSzSlots = kBlockRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
+  constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
   const uint32_t* sz_row[kSzCopies];  // this slot's row of scale_zero (nullptr past M)
   int sz_col[kSzCopies];              // its column offset inside the stage (u, j)
 #pragma unroll
@@ -225,16 +245,17 @@ __global__ void __launch_bounds__(kThreads)
     sz_col[i] = u * kChunk + j * (kChunk / NG);
   }
 
+  // x: a stage's activation rows are whole 16-byte pieces of columns that exist (stages never
+  // cross kp, a multiple of the stage width).
   constexpr int kXPieces = L::kCols / 8;  // 16-byte pieces per activation row per stage
   constexpr int kXCopies = (BN * kXPieces + kThreads - 1) / kThreads;
-  int x_row[kXCopies], x_col[kXCopies], x_dst[kXCopies];
-#pragma unroll
-  for (int i = 0; i < kXCopies; ++i) {
-    const int p = tid + i * kThreads;
-    x_row[i] = p < BN * kXPieces ? p / kXPieces : BN;  // BN: no slot
-    x_col[i] = (p % kXPieces) * 8;
-    x_dst[i] = (x_row[i] * L::kXStride + x_col[i]) * 2;
-  }
+  constexpr int kXRowStep = kThreads / kXPieces;
+  static_assert(kThreads % kXPieces == 0, "x pieces tile the block");
+  const int x_row = tid / kXPieces;
+  const int x_dst = (x_row * L::kXStride + (tid % kXPieces) * 8) * 2;
+  const char* x_src = static_cast<const char*>(args.x) +
+                      (static_cast<int64_t>(n0 + x_row) * args.kp + it_begin * L::kCols + (tid % kXPieces) * 8) * 2;
+  const int64_t x_step = static_cast<int64_t>(kXRowStep) * args.kp * 2;  // bytes between a thread's x rows
 
   auto issue = [&](int stage, int it) {
     unsigned char* st = smem + stage * L::kStageBytes;
@@ -242,7 +263,8 @@ __global__ void __launch_bounds__(kThreads)
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
     const unsigned char* tile = w_src + static_cast<int64_t>(it) * kBlockRows * kRowBytes;
 #pragma unroll
-    for (int i = 0; i < kWCopies; ++i) ptx::cp_async_cg_16(st + w_dst[i], tile + i * kThreads * 16);
+    for (int i = 0; i < kWCopies; ++i)
+      ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride, tile + i * kThreads * 16);
 #pragma unroll
     for (int i = 0; i < kSzCopies; ++i) {
       if (kSzSlots % kThreads != 0 && tid + i * kThreads >= kSzSlots) continue;  // no slot
@@ -253,14 +275,11 @@ __global__ void __launch_bounds__(kThreads)
       const int grp = min(col >> args.group_shift, args.groups - 1);
       ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
     }
-    const int k0 = c0 * kChunk;
+    const char* xs = x_src + static_cast<int64_t>(it) * L::kCols * 2;
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
-      if (x_row[i] >= valid_rows) continue;  // rows past N stay zero
-      const bool ok = k0 + x_col[i] < args.kp;
-      const char* src = static_cast<const char*>(args.x) +
-                        (ok ? (static_cast<int64_t>(n0 + x_row[i]) * args.kp + k0 + x_col[i]) * 2 : 0);
-      ptx::cp_async_cg_16(st + L::kXOffset + x_dst[i], src, ok);
+      if (x_row + i * kXRowStep >= valid_rows) break;  // rows past N stay zero
+      ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, xs + i * x_step);
     }
   };
 
@@ -271,12 +290,15 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
   const int my_row = warp * 16 + g;  // and my_row + 8
-  // Scale and zero are applied per segment (128/NG columns, inside one group) on the fp32
-  // accumulators instead of per weight: for one row and token,
-  //   sum_k (q_k - z) s x_k = s * (sum_k q_k x_k - z * sum_k x_k),
-  // so the tensor cores multiply the exact integers q, a second mma per 16 tokens against a
-  // ones matrix (reusing the B-fragment registers as its A operand) gives sum_k x_k, and each
-  // segment ends with two FFMA per accumulator: fp32 scale and zero, no fp16 rounding of w.
+  // Scale and zero are applied per segment (128/NG columns, inside one group). The A fragments
+  // hold the exact integers q - zi (zi: the zero point's integer part, see integer_zero), so
+  // for one row and token
+  //   sum_k (q_k - z) s x_k = s * (sum_k (q_k - zi) x_k - (z - zi) * sum_k x_k)
+  // and for integer zero points (RTN, GPTQ) the segment ends with one FFMA per accumulator.
+  // Only a segment whose rows have a fractional zero (HQQ) needs sum_k x_k: a second mma per 16
+  // tokens against a ones matrix, reusing the B-fragment registers as its A operand. Before,
+  // every segment paid that mma, its operand moves and two shuffles per 8 tokens, and the
+  // difference sum q x - z sum x cancelled most of its digits.
   constexpr int kXTiles = BN >= 16 ? BN / 16 : 1;  // 16-token groups of the x-sum mma
   constexpr uint32_t kOnes = kBF16 ? 0x3f803f80u : 0x3c003c00u;
   auto compute = [&](int stage) {
@@ -290,59 +312,83 @@ __global__ void __launch_bounds__(kThreads)
         load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h, u * (kRowBytes / U) + 4 * BITS * t);
 #pragma unroll
       for (int j = 0; j < NG; ++j) {
-        float part[BN / 8][4], xsum[kXTiles][4];
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
-#pragma unroll
-        for (int p = 0; p < kXTiles; ++p)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xsum[p][e] = 0.f;
-#pragma unroll
-        for (int tile = j * (8 / NG); tile < (j + 1) * (8 / NG); ++tile) {
-          const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
-          uint32_t a[4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0);
-            a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1);
-          }
-          uint32_t b[BN / 8][2];
-#pragma unroll
-          for (int nb = 0; nb < BN / 8; ++nb) {
-            // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
-            const uint2 v = *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2);
-            b[nb][0] = v.x, b[nb][1] = v.y;
-            ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
-          }
-#pragma unroll
-          for (int p = 0; p < kXTiles; ++p) {
-            // A = x rows (tokens 16p + g and 16p + 8 + g): exactly the B fragments just loaded.
-            const uint32_t hi0 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][0] : 0u;
-            const uint32_t hi1 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][1] : 0u;
-            const uint32_t ax[4] = {b[2 * p % (BN / 8)][0], hi0, b[2 * p % (BN / 8)][1], hi1};
-            ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
-          }
-        }
-        // Segment end: acc += s * part - s * z * xsum, per row h and token.
-        float sc[2], cz[2];
+        float sc[2], zf[2];
+        uint32_t zc[2], zc16[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint32_t sz =
               *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
           sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
-          cz[h] = sc[h] * Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
+          const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
+          const float zi = integer_zero<kBF16, BITS>(z);
+          zf[h] = z - zi;
+          zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
+          zc16[h] = Num<kBF16>::splat(-64.f - zi);                  // fp16 4-bit only
         }
+        float part[BN / 8][4];
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb) {
-          // Token nb*8 + 2t + e's sum sits in xsum[nb/2] row (nb%2)*8 + 2t + e, column 0: lane
-          // 4*(2t+e), register 0 (rows 0-7) or 2 (rows 8-15).
-          float xt[2];
+        for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) xt[e] = __shfl_sync(0xffffffffu, xsum[nb / 2][(nb % 2) * 2], 4 * (2 * t + e));
+          for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
+        // The segment's tiles, with or without the x-sum mma. Both calls below pass a constant
+        // and the lambda is inlined, so each branch is straight-line code without the test.
+        float xsum[kXTiles][4];  // written and read only by the x-sum branch
+        auto tiles = [&](const bool with_xsum) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(sc[e / 2], part[nb][e], fmaf(-cz[e / 2], xt[e % 2], acc[nb][e]));
+          for (int tile = j * (8 / NG); tile < (j + 1) * (8 / NG); ++tile) {
+            const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
+            uint32_t a[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0, zc[h], zc16[h]);
+              a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1, zc[h], zc16[h]);
+            }
+            uint32_t b[BN / 8][2];
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb) {
+              // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
+              const uint2 v = *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2);
+              b[nb][0] = v.x, b[nb][1] = v.y;
+              ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
+            }
+            if (with_xsum) {
+#pragma unroll
+              for (int p = 0; p < kXTiles; ++p) {
+                // A = x rows (tokens 16p + g and 16p + 8 + g): exactly the B fragments just loaded.
+                const uint32_t hi0 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][0] : 0u;
+                const uint32_t hi1 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][1] : 0u;
+                const uint32_t ax[4] = {b[2 * p % (BN / 8)][0], hi0, b[2 * p % (BN / 8)][1], hi1};
+                ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
+              }
+            }
+          }
+        };
+        // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
+        if (__any_sync(0xffffffffu, zf[0] != 0.f || zf[1] != 0.f) || args.force_xsum) {
+#pragma unroll
+          for (int p = 0; p < kXTiles; ++p)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xsum[p][e] = 0.f;
+          tiles(true);
+          // Segment end: acc += s * part - s * (z - zi) * xsum, per row h and token.
+          const float cz[2] = {sc[0] * zf[0], sc[1] * zf[1]};
+#pragma unroll
+          for (int nb = 0; nb < BN / 8; ++nb) {
+            // Token nb*8 + 2t + e's sum sits in xsum[nb/2] row (nb%2)*8 + 2t + e, column 0: lane
+            // 4*(2t+e), register 0 (rows 0-7) or 2 (rows 8-15).
+            float xt[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) xt[e] = __shfl_sync(0xffffffffu, xsum[nb / 2][(nb % 2) * 2], 4 * (2 * t + e));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc[nb][e] = fmaf(sc[e / 2], part[nb][e], fmaf(-cz[e / 2], xt[e % 2], acc[nb][e]));
+          }
+        } else {
+          tiles(false);
+#pragma unroll
+          for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(sc[e / 2], part[nb][e], acc[nb][e]);
         }
       }
     }

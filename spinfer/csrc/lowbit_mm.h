@@ -21,6 +21,7 @@ struct LowbitArgs {
   int groups;              // K / group_size
   int bits;
   bool bf16;
+  bool force_xsum;         // apply every zero point through sum(x) (SPINFER_LOWBIT_XSUM=1: A/B runs, tests)
 };
 
 struct LowbitPlan {

@@ -2,6 +2,7 @@
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
 #   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit] [ncu-spmm]
+#                           [ncu-lowbit]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit; the build always runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,15 +48,25 @@ if [[ " $steps " == *" bench-lowbit "* ]]; then
     python3 benchmarks/bench_lowbit.py --quick --csv "$OUT/lowbit.csv" >"$OUT/bench-lowbit.log" 2>&1 || status=1
     sed -n '/^summary/,$p' "$OUT/bench-lowbit.log"
 fi
-if [[ " $steps " == *" ncu-spmm "* ]]; then
-    # One SpMM launch under Nsight Compute (SPMM_CASE="M K N SPARSITY"): the details page and
-    # the per-SASS-instruction source page (executed instructions, stall samples) as CSV.
-    case="${SPMM_CASE:-28672 8192 1 0.5}"
-    ncu --set full --import-source no -k regex:spmm_smbd --launch-skip 2 --launch-count 1 -f -o "$OUT/spmm" \
-        python3 scripts/profile_case.py $case >"$OUT/ncu.log" 2>&1 || { tail -20 "$OUT/ncu.log"; status=1; }
-    ncu -i "$OUT/spmm.ncu-rep" --page details --csv >"$OUT/ncu-details.csv" 2>>"$OUT/ncu.log"
-    ncu -i "$OUT/spmm.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu-source.csv" 2>>"$OUT/ncu.log"
+# One launch under Nsight Compute: the details page and the per-SASS-instruction source page
+# (executed instructions, stall samples) as CSV, and the headline metrics.
+ncu_case() {  # name kernel-regex script args...
+    local name=$1 regex=$2
+    shift 2
+    ncu --set full --import-source no -k "regex:$regex" --launch-skip 2 --launch-count 1 -f -o "$OUT/$name" \
+        python3 "$@" >"$OUT/ncu-$name.log" 2>&1 || { tail -20 "$OUT/ncu-$name.log"; status=1; }
+    ncu -i "$OUT/$name.ncu-rep" --page details --csv >"$OUT/ncu-$name-details.csv" 2>>"$OUT/ncu-$name.log"
+    ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu-$name-source.csv" 2>>"$OUT/ncu-$name.log"
+    rm -f "$OUT/$name.ncu-rep"
     grep -E '"(Duration|Achieved Occupancy|Theoretical Occupancy|Issued Warp Per Scheduler|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Registers Per Thread|Block Limit [A-Za-z ]+|Executed Ipc Active|Memory Throughput|DRAM Throughput)"' \
-        "$OUT/ncu-details.csv" | awk -F'","' '{print $(NF-2)": "$NF" "$(NF-1)}' | tr -d '"' | sort -u
+        "$OUT/ncu-$name-details.csv" | awk -F'","' '{print $(NF-2)": "$NF" "$(NF-1)}' | tr -d '"' | sort -u
+}
+if [[ " $steps " == *" ncu-spmm "* ]]; then
+    # SPMM_CASE="M K N SPARSITY"
+    ncu_case spmm spmm_smbd scripts/profile_case.py ${SPMM_CASE:-28672 8192 1 0.5}
+fi
+if [[ " $steps " == *" ncu-lowbit "* ]]; then
+    # LOWBIT_CASE="M K N BITS GROUP"
+    ncu_case lowbit lowbit_mm scripts/profile_lowbit_case.py ${LOWBIT_CASE:-28672 8192 1 4 128}
 fi
 exit $status

@@ -4,7 +4,7 @@ ceiling for any kernel that streams the weight once), the zero-point paths A/B (
 in the A fragments vs every zero through sum(x), SPINFER_LOWBIT_XSUM=1) at N = 1/8/16/32, and a
 split-K sweep of the kernel alone.
 
-    python scripts/profile_lowbit.py [BITS GROUP]
+    python scripts/profile_lowbit.py [BITS GROUP] [--quick]     (--quick: device times only)
 """
 
 import os
@@ -17,7 +17,9 @@ import spinfer
 from spinfer.quant import LowBitWeight
 from spinfer.timing import host_overhead, median_time
 
-bits, group = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (4, 128)
+args = [a for a in sys.argv[1:] if a != "--quick"]
+quick = "--quick" in sys.argv
+bits, group = (int(args[0]), int(args[1])) if len(args) > 1 else (4, 128)
 spinfer.build.load_extension()
 dev = torch.device("cuda")
 
@@ -39,12 +41,13 @@ for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:
     direct = lambda: torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, q.group_size, m, k,  # noqa
                                                      None, None, out=out)
     dense = lambda: F.linear(x, w)  # noqa: E731
-    print(f"{m}x{k} {bits}-bit g{group} N=1: host us/call wrapper {host_time(wrapper):.1f}, direct op "
-          f"{host_time(direct):.1f}, F.linear {host_time(dense):.1f}")
+    if not quick:
+        print(f"{m}x{k} {bits}-bit g{group} N=1: host us/call wrapper {host_time(wrapper):.1f}, direct op "
+              f"{host_time(direct):.1f}, F.linear {host_time(dense):.1f}")
     wbytes = q.storage_bytes().total
     buf = torch.empty(wbytes // 4, dtype=torch.int32, device=dev)
     read = lambda: torch.sum(buf, dtype=torch.int32)  # noqa: E731
-    print(f"  device us: lowbit {event_time(direct):.1f}; cuBLAS {event_time(dense):.1f}; "
+    print(f"{m}x{k} device us: lowbit {event_time(direct):.1f}; cuBLAS {event_time(dense):.1f}; "
           f"torch.sum over the same {wbytes / 1e6:.0f} MB (the read ceiling) {event_time(read):.1f}")
     ab = []
     for n in (1, 8, 16, 32):
@@ -59,6 +62,8 @@ for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:
         os.environ.pop("SPINFER_LOWBIT_XSUM")
         ab.append(f"N={n}: {t['0']:.1f} vs {t['1']:.1f} (cuBLAS {event_time(lambda: F.linear(xn, w)):.1f})")
     print("  zero in A vs sum(x) forced, us: " + "; ".join(ab))
+    if quick:
+        continue
     sweep = []
     for s in (1, 2, 3, 4, 6, 8, 12, 16):
         os.environ["SPINFER_LOWBIT_SPLITS"] = str(s)

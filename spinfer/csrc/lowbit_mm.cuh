@@ -2,7 +2,8 @@
 // with q at 1, 2, 4 or 8 bits, dequantized in registers straight into mma.m16n8k16 A fragments.
 //
 // Read top to bottom:
-//  * One block of 4 warps owns 64 output rows and a tile of BN tokens; warp w owns rows
+//  * One block of 4 warps (8 at BN <= 16 below 8 bits: two groups, one per chunk of a stage)
+//    owns 64 output rows and a tile of BN tokens; warp w of a group owns rows
 //    16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a split-K share).
 //  * A 3-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
 //    tile (one contiguous 4..8 KB span: the format stores 64-row x stage tiles), their
@@ -35,11 +36,12 @@ namespace spinfer {
 namespace lowbit {
 
 constexpr int kChunk = 128;   // K columns per chunk: 8 k16 tiles
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kWarps = 4;               // warps of one group: 16 rows each
 constexpr int kBlockRows = 16 * kWarps;
-// 2 stages in flight: 5 resident blocks at 4 bits instead of 4 with 4 stages (with not copying
-// padded token rows: 76 -> 69 us on 28672x8192, docs/quant.md).
+// 2 stages in flight. 3 stages measured best twice on 28672x8192 4-bit: going from 4 to 3
+// (with not copying padded token rows) took N=1 from 76 to 69 us (docs/quant.md); with two warp
+// groups, 4 stages at BN = 8 measured 61 us against 57 and 5 stages 71 us, and the other issue
+// shapes moved the same way, although ncu shows warps waiting on the copies.
 constexpr int kStages = 3;
 
 // Chunks per stage: 256 columns (128 at 8 bits) keep a stage's weights at 4..8 KB per block.
@@ -47,6 +49,23 @@ template <int BITS>
 constexpr int chunks_per_stage() {
   return BITS == 8 ? 1 : 2;
 }
+
+// Warp groups of a block: at BN <= 16 and two chunks per stage, a second group of 4 warps takes
+// the stage's second chunk and the two groups' accumulators are summed before the epilogue.
+// ncu on 28672x8192 4-bit N=1 with one group: 448 blocks gave 3.25 warps per scheduler, no
+// eligible warp in 44% of cycles and DRAM at 58%; shared memory allows 5 blocks per SM, so
+// the layer has too few blocks, not too little memory. Two groups double the warps per block
+// at the same shared memory and nearly the same instructions.
+template <int BITS, int BN>
+constexpr int kWarpGroups = BITS != 8 && BN <= 16 ? 2 : 1;  // BITS != 8: two chunks per stage
+template <int BITS, int BN>
+constexpr int kThreadsOf = 32 * kWarps * kWarpGroups<BITS, BN>;
+// Resident blocks the register allocation must allow (__launch_bounds__): with 256 threads
+// a block of 66-register threads would fit only 3 per SM, one short of a 448-block layer's
+// single wave; 4 caps BN=8 at 64 registers and 3 caps BN=16 at 85. 0 (one group): the
+// compiler's choice.
+template <int BITS, int BN>
+constexpr int kMinBlocks = kWarpGroups<BITS, BN> == 1 ? 0 : BN == 8 ? 4 : 3;
 
 // Packed weight rows sit unpadded in shared memory; instead the 16-byte pieces of row r are
 // XOR-swizzled by piece_swizzle<BITS>(r) so the lanes of one shared-load phase hit distinct
@@ -196,7 +215,7 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[BITS], const unsigned
 }
 
 template <bool kBF16, int BITS, int BN, int NG>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
     lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int iters_per_split, const int splits) {
   using L = Layout<BITS, BN, NG>;
   constexpr int U = L::U;
@@ -205,7 +224,10 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_is_last;
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  constexpr int kThreads = kThreadsOf<BITS, BN>;
+  constexpr int kGroups = kWarpGroups<BITS, BN>;
+  const int tid = threadIdx.x, warp = tid / 32 % kWarps, lane = tid % 32;
+  const int group = tid / (32 * kWarps);  // with two groups: the chunk of each stage it takes
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * BN;
   const int valid_rows = min(BN, args.n - n0);
@@ -224,9 +246,10 @@ __global__ void __launch_bounds__(kThreads)
   // rematerialized from the thread index at every stage (~90 of a stage's ~450 instructions,
   // SASS of 4-bit BN=8); a runtime-bounded `for (p = tid; ...)` loop cost ~700 IMAD a stage.
   constexpr int kWPieces = kRowBytes / 16;
-  constexpr int kWCopies = kBlockRows * kWPieces / kThreads;
+  constexpr int kWSlots = kBlockRows * kWPieces;
+  constexpr int kWCopies = (kWSlots + kThreads - 1) / kThreads;
   constexpr int kWRowStep = kThreads / kWPieces;
-  static_assert(kBlockRows * kWPieces % kThreads == 0 && kWRowStep % 8 == 0, "whole weight copy rounds");
+  static_assert((kWSlots % kThreads == 0 || kWCopies == 1) && kWRowStep % 8 == 0, "whole weight copy rounds");
   const int w_row = tid / kWPieces;
   const int w_dst = w_row * L::kWStride + ((tid % kWPieces) ^ piece_swizzle<BITS>(w_row)) * 16;
   const unsigned char* w_src = reinterpret_cast<const unsigned char*>(args.qweight) +
@@ -263,8 +286,10 @@ __global__ void __launch_bounds__(kThreads)
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
     const unsigned char* tile = w_src + static_cast<int64_t>(it) * kBlockRows * kRowBytes;
 #pragma unroll
-    for (int i = 0; i < kWCopies; ++i)
+    for (int i = 0; i < kWCopies; ++i) {
+      if (kWSlots % kThreads != 0 && tid >= kWSlots) break;  // 1-bit with two groups: 128 pieces
       ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride, tile + i * kThreads * 16);
+    }
 #pragma unroll
     for (int i = 0; i < kSzCopies; ++i) {
       if (kSzSlots % kThreads != 0 && tid + i * kThreads >= kSzSlots) continue;  // no slot
@@ -305,7 +330,8 @@ __global__ void __launch_bounds__(kThreads)
     const unsigned char* st = smem + stage * L::kStageBytes;
     const unsigned char* xrow = st + L::kXOffset + (g * L::kXStride + 4 * t) * 2;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int uu = 0; uu < U / kGroups; ++uu) {
+      const int u = kGroups == 1 ? uu : group;  // an address term only: the loop stays unrolled
       uint32_t w[2][BITS];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -419,8 +445,27 @@ __global__ void __launch_bounds__(kThreads)
     compute(i % kStages);
   }
   ptx::cp_async_wait_group<0>();
+  if constexpr (kGroups == 2) {
+    // The second group's accumulators join the first's through the (now idle) stage buffers.
+    static_assert(kThreads / 2 * BN / 2 * 4 <= L::kSmemBytes, "room for one group's accumulators");
+    float* red = reinterpret_cast<float*>(smem);
+    const int slot = tid % (32 * kWarps);
+    __syncthreads();  // every warp is done with the last stage
+    if (group == 1)
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(nb * 4 + e) * (32 * kWarps) + slot] = acc[nb][e];
+    __syncthreads();
+    if (group == 0)
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nb][e] += red[(nb * 4 + e) * (32 * kWarps) + slot];
+  }
   const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-  store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, my_row, n0, split, splits, acc, lane, tid, &s_is_last);
+  store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, my_row, n0, split, splits, acc, lane, tid, &s_is_last,
+                                              group == 0);
 }
 
 // Host side of one (dtype, bits) pair: the BN and NG variants, instantiated in
@@ -435,7 +480,7 @@ struct Launcher {
     const int total_iters = (plan.chunks + U - 1) / U;
     const int iters_per_split = (total_iters + plan.splits - 1) / plan.splits;
     const dim3 grid(plan.n_tiles, plan.row_blocks, plan.splits);
-    kernel<<<grid, kThreads, kSmem, stream>>>(args, plan.chunks, iters_per_split, plan.splits);
+    kernel<<<grid, kThreadsOf<BITS, BN>, kSmem, stream>>>(args, plan.chunks, iters_per_split, plan.splits);
     return cudaGetLastError();
   }
   // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).
@@ -456,7 +501,8 @@ struct Launcher {
     constexpr int kSmem = Layout<BITS, BN, NG>::kSmemBytes;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 1;
     int blocks = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, kSmem) != cudaSuccess) return 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreadsOf<BITS, BN>, kSmem) != cudaSuccess)
+      return 1;
     return blocks > 0 ? blocks : 1;
   }
 };

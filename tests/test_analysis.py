@@ -113,7 +113,7 @@ def test_roofline_lowbit_points(tmp_path):
     with pytest.raises(ValueError, match="bits"):
         R.intensity_lowbit(m, k, 1, 3, 128)
     pts = R.points_from_lowbit_csv(LOWBIT_CSV, max_n=16)
-    assert {p["kind"] for p in pts} == {"w4 g128", "w8 g128", "w2 g64"}
+    assert {p["kind"] for p in pts} == {"w4 g128", "w8 g128", "w2 g64", "w4 g32", "w1 g128"}
     assert max(p["N"] for p in pts) == 16
     c = R.Ceilings()
     assert all(0 < R.roof_fraction(p, c) < 1.05 for p in pts)

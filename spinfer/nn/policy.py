@@ -55,10 +55,11 @@ class DeviceProfile:
     # measurement; calibrate() measures it
     decode_bandwidth: float = 4.0e11
     # The fused low-bit kernel: bytes/s of its packed weight at N = 1, and the token count that
-    # doubles its time (fitted to bench_lowbit on H100: 28672x8192 4-bit 69 / ~110 / 161 /
-    # 285 us at N = 1 / 16 / 32 / 64). Not measured by calibrate().
-    lowbit_bandwidth: float = 1.8e12
-    lowbit_n_scale: float = 24.0
+    # doubles its time (fitted to bench_lowbit on H100, 2026-11-22 after the warp-group change:
+    # 28672x8192 4-bit 58 / 96 / 121 / 221 us at N = 1 / 16 / 32 / 64; the fit gives 57 / 91 /
+    # 127 / 199). Not measured by calibrate().
+    lowbit_bandwidth: float = 2.5e12
+    lowbit_n_scale: float = 22.0
     measured: bool = False
 
     def gt_time(self, n: int) -> float:

@@ -112,6 +112,8 @@ def test_roofline_lowbit_points(tmp_path):
     assert R.intensity_lowbit(m, k, 8, 2, 64) > R.intensity_lowbit(m, k, 8, 4, 128) > R.intensity_dense(m, k, 8)
     with pytest.raises(ValueError, match="bits"):
         R.intensity_lowbit(m, k, 1, 3, 128)
+    with pytest.raises(ValueError, match="group"):
+        R.intensity_lowbit(m, k, 1, 4, 0)
     pts = R.points_from_lowbit_csv(LOWBIT_CSV, max_n=16)
     assert {p["kind"] for p in pts} == {"w4 g128", "w8 g128", "w2 g64", "w4 g32", "w1 g128"}
     assert max(p["N"] for p in pts) == 16

@@ -23,6 +23,8 @@ from typing import List, Optional
 import torch
 
 from ..cache import read_entry, write_entry
+from ..quant.lowbit import check_bits
+from .compression import lowbit_bytes
 
 
 @dataclass
@@ -91,10 +93,9 @@ def intensity_lowbit(m: int, k: int, n: int, bits: int, group: int = 128) -> flo
     """Dense-equivalent FLOPs over the bytes of a weight-only low-bit layer (packed integers plus
     one fp16 scale and zero per group; ``group`` = K for per-channel)."""
     _check(m, k, n)
-    from .compression import lowbit_bytes
-
-    if bits not in (1, 2, 4, 8) or group < 1:
-        raise ValueError(f"bits must be 1, 2, 4 or 8 and group >= 1, got bits={bits}, group={group}")
+    check_bits(bits)
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
     return 2.0 * m * k * n / (lowbit_bytes(m, k, bits, group) + 2 * k * n + 2 * m * n)
 
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..analysis import compression, roofline
+from . import parse_shapes
 
 
 def run_compression(argv) -> int:
@@ -74,10 +75,7 @@ def run_roofline(argv) -> int:
     if a.lowbit_csv:
         pts += roofline.points_from_lowbit_csv(a.lowbit_csv, max_n=a.max_n)
     if a.shapes:
-        try:
-            keep = {tuple(int(v) for v in sh.split("x")) for sh in a.shapes.split(",")}
-        except ValueError:
-            raise ValueError(f"--shapes must look like 28672x8192,4096x14336, got {a.shapes!r}") from None
+        keep = set(parse_shapes(a.shapes))
         pts = [pt for pt in pts if (pt["M"], pt["K"]) in keep]
     if not pts:
         raise ValueError(f"{a.csv} holds no benchmark rows" + (f" for shapes {a.shapes}" if a.shapes else ""))

@@ -65,6 +65,28 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// Integer multiply and multiply-high on the FMA pipe. As inline PTX so the compiler cannot
+// turn a multiply by a power of two into a shift, which would run on the ALU pipe: the SMBD
+// decode is ALU-bound and moves work to the idle FMA pipe on purpose.
+__device__ __forceinline__ uint32_t mul_lo(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.lo.u32 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t mul_hi(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.hi.u32 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Byte permute with the hardware's selector: each nibble's bit 3 replicates the chosen byte's
+// sign. __byte_perm masks that bit off with an extra LOP3 per call; callers here never set it.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
 // 2-byte shared-memory load from a 32-bit shared address (zero-extended).
 __device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
   unsigned short v;

@@ -44,11 +44,12 @@ constexpr int kXStride = kPair * kGt + 8;  // halves per x row in smem: 272 B, s
                                            // an ldmatrix phase start in 8 distinct bank groups
 constexpr unsigned kFull = 0xffffffffu;
 
-// A decoding lane reads values[off] and values[off + 1] unconditionally, off < run for valid
-// data. Arrays that bypassed validation can push off past the run. The per-word decode clamps
-// every offset to the run; the lean decode clamps each half-word's prefix once per GroupTile,
-// after which a lane adds at most 31 (its masked PopCount) plus 1, so its reads stay inside
-// this slack.
+// A decoding lane reads values[e - 2] and values[e - 1] unconditionally, where e, its prefix plus
+// the set bits up to its pair, is at most the run for valid data; e < 2 reads up to two values
+// before the run, which are other bytes of the same stage (bitmaps or the first run). Arrays
+// that bypassed validation can push e past the run. The per-word decode clamps every e to the
+// run; the lean decode clamps each half-word's prefix once per GroupTile, after which a lane
+// adds at most 32 (its PopCount), so its reads stay inside this slack.
 constexpr int kValueSlack = 40;
 
 // The {bits, prefix} pairs a warp publishes for one GroupTile: 16 words x 2 halves, stored
@@ -126,6 +127,26 @@ __device__ __forceinline__ PairRuns pair_runs(const int* s_off, int nk, int p, i
   return r;
 }
 
+// How a lane turns one bitmap half-word into an A-fragment register (two fp16/bf16 values):
+//   kept = bits << (30 - lp), as a multiply on the FMA pipe, keeps the bits up to and including
+//   the lane's pair, with the pair {b0, b1} at bits 30 and 31. e = popc(kept) is then the index
+//   one past the pair's last value, so the candidates are u0 = values[e - 2] and
+//   u1 = values[e - 1] (each zero-extended to 32 bits): f = b0 + 2 b1 = 1 or 2 takes u1 as
+//   the low or the high value, 3 takes both, 0 neither. One permute looks the selector up in an
+//   8-byte table (byte f for the low half, byte 2f for the high half, so the index is f * 0x21;
+//   f = 0 shares byte 0, a zero pair), a second builds the register. ALU work per word: a
+//   PopCount and two permutes, where a masked PopCount, two bit tests, three selects and a
+//   permute ran before (ncu: the ALU pipe 63% busy, the FMA pipe nearly idle).
+//   table byte:  7   6   5   4   3   2   1   0
+//   selector:    -  54   -  54  10  32  54  32     (32: bytes 2-3 of u0, always zero)
+constexpr uint32_t kPairSelLo = 0x10325432u;
+constexpr uint32_t kPairSelHi = 0x00540054u;
+
+__device__ __forceinline__ uint32_t pair_selector(uint32_t kept) {
+  const uint32_t f = ptx::mul_hi(kept, 4u);  // kept >> 30, on the FMA pipe
+  return ptx::prmt(kPairSelLo, kPairSelHi, f * 0x21u);
+}
+
 // Decodes this warp's TCTile row of one GroupTile from its published pairs and multiplies it
 // into acc. pack: the pairs (half-major, kPackStride apart); vals/last: the run (lean: unused,
 // the pairs carry shared addresses); xa: this lane's ldmatrix row address in each n8 block of
@@ -138,8 +159,7 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
   // low 32-bit half, lanes 16-31 the high one.
   const int hi = lane >> 4;
   const int lp = 2 * (lane & 15);
-  const uint32_t below = (1u << lp) - 1u;
-  const uint32_t bit_lo = 1u << lp, bit_hi = 2u << lp;
+  const uint32_t to_top = 1u << (30 - lp);  // moves this lane's two bits to bits 30 and 31
   const uint4* pk = reinterpret_cast<const uint4*>(pack + hi * kPackStride);
 
 #pragma unroll
@@ -158,21 +178,21 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
       for (int j = 0; j < 4; ++j) {  // BitmapTile j = register Ra_j (TL, BL, TR, BR)
         const uint2 he = words[j];   // {this lane's half of word 4t+j, its prefix}
         // Both candidates are loaded unconditionally and selected: cheaper than two predicated
-        // loads plus two zeroings.
-        uint32_t v0, v1;
-        if constexpr (kLean) {
-          const uint32_t addr = he.y + 2u * __popc(he.x & below);
-          v0 = ptx::lds_u16(addr);
-          v1 = ptx::lds_u16(addr + 2);
+        // loads plus two zeroings. Either may lie up to two values before the run (at e = 0
+        // or 1); those are other bytes of the stage, read and discarded.
+        const uint32_t kept = ptx::mul_lo(he.x, to_top);
+        const int e = __popc(kept);
+        uint32_t u0, u1;
+        if constexpr (kLean) {  // he.y: the shared address of values[prefix - 2]
+          const uint32_t addr = he.y + 2u * e;
+          u0 = ptx::lds_u16(addr);
+          u1 = ptx::lds_u16(addr + 2);
         } else {
-          const int off = min(static_cast<int>(he.y) + __popc(he.x & below), last);
-          v0 = vals[off];
-          v1 = vals[off + 1];
+          const int off = min(static_cast<int>(he.y) + e, last + 1) - 2;
+          u0 = vals[off];
+          u1 = vals[off + 1];
         }
-        const bool b0 = he.x & bit_lo, b1 = he.x & bit_hi;
-        const uint32_t lo = b0 ? v0 : 0u;
-        const uint32_t up = b1 ? (b0 ? v1 : v0) : 0u;  // the pair's second value follows the first
-        a[j] = __byte_perm(lo, up, 0x5410);
+        a[j] = ptx::prmt(u0, u1, pair_selector(kept));
       }
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) ptx::mma_m16n8k16<kBF16>(acc[nb], a, b[nb][2 * (t - tt)], b[nb][2 * (t - tt) + 1]);
@@ -211,7 +231,7 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
   __syncwarp();  // every lane is done reading the previous stage's pairs
   const int slot = (lane & 1) * kPackStride + lane / 2;  // word lane/2, half lane%2
   if constexpr (kLean) {  // the prefix as the shared address of its first value, clamped once
-    const uint32_t base = ptx::smem_addr(vals);
+    const uint32_t base = ptx::smem_addr(vals) - 4u;  // the decode reads values[e - 2]
     pack[slot] = make_uint2(h0, base + 2u * static_cast<uint32_t>(min(p0, last0)));
     pack[kPackPerGt + slot] = make_uint2(h1, base + 2u * static_cast<uint32_t>(r.split + min(p1, last1)));
   } else {

@@ -2,7 +2,7 @@
 // with q at 1, 2, 4 or 8 bits, dequantized in registers straight into mma.m16n8k16 A fragments.
 //
 // Read top to bottom:
-//  * One block of 4 warps (8 at BN <= 16 below 8 bits: two groups, one per chunk of a stage)
+//  * One block of 4 warps (8 below 8 bits: two groups, one per chunk of a stage)
 //    owns 64 output rows and a tile of BN tokens; warp w of a group owns rows
 //    16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a split-K share).
 //  * A 3-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
@@ -50,22 +50,26 @@ constexpr int chunks_per_stage() {
   return BITS == 8 ? 1 : 2;
 }
 
-// Warp groups of a block: at BN <= 16 and two chunks per stage, a second group of 4 warps takes
-// the stage's second chunk and the two groups' accumulators are summed before the epilogue.
-// ncu on 28672x8192 4-bit N=1 with one group: 448 blocks gave 3.25 warps per scheduler, no
-// eligible warp in 44% of cycles and DRAM at 58%; shared memory allows 5 blocks per SM, so
-// the layer has too few blocks, not too little memory. Two groups double the warps per block
-// at the same shared memory and nearly the same instructions.
+// Warp groups of a block: with two chunks per stage (below 8 bits) a second group of 4 warps
+// takes the stage's second chunk and the two groups' accumulators are summed before the
+// epilogue. ncu on 28672x8192 4-bit N=1 with one group: 448 blocks gave 3.25 warps per
+// scheduler, no eligible warp in 44% of cycles and DRAM at 58%; shared memory allows 5 blocks
+// per SM, so the layer has too few blocks, not too little memory. Two groups double the warps
+// per block at the same shared memory and nearly the same instructions. At BN = 32 shared
+// memory (78 KB a block, mostly the x slices) allows only 2 blocks, 2 warps per scheduler with
+// one group: two groups took N = 32 from 1.23x to 1.32x cuBLAS at 4 bits and 1.24x to 1.45x at
+// 2 bits (geomean of the four issue shapes, same lease).
 template <int BITS, int BN>
-constexpr int kWarpGroups = BITS != 8 && BN <= 16 ? 2 : 1;  // BITS != 8: two chunks per stage
+constexpr int kWarpGroups = BITS != 8 ? 2 : 1;  // BITS != 8: two chunks per stage
 template <int BITS, int BN>
 constexpr int kThreadsOf = 32 * kWarps * kWarpGroups<BITS, BN>;
 // Resident blocks the register allocation must allow (__launch_bounds__): with 256 threads
 // a block of 66-register threads would fit only 3 per SM, one short of a 448-block layer's
-// single wave; 4 caps BN=8 at 64 registers and 3 caps BN=16 at 85. 0 (one group): the
+// single wave; 4 caps BN=8 at 64 registers, 3 caps BN=16 at 85 (4 at BN=16 spilled 8-20 bytes
+// and measured 1.65x against 1.72x at N = 16) and 2 lets BN=32 use ~110. 0 (one group): the
 // compiler's choice.
 template <int BITS, int BN>
-constexpr int kMinBlocks = kWarpGroups<BITS, BN> == 1 ? 0 : BN == 8 ? 4 : 3;
+constexpr int kMinBlocks = kWarpGroups<BITS, BN> == 1 ? 0 : BN == 8 ? 4 : BN == 16 ? 3 : 2;
 
 // Packed weight rows sit unpadded in shared memory; instead the 16-byte pieces of row r are
 // XOR-swizzled by piece_swizzle<BITS>(r) so the lanes of one shared-load phase hit distinct

@@ -2,9 +2,9 @@
 // with q at 1, 2, 4 or 8 bits, dequantized in registers straight into mma.m16n8k16 A fragments.
 //
 // Read top to bottom:
-//  * One block of 4 warps (8 below 8 bits: two groups, one per chunk of a stage)
-//    owns 64 output rows and a tile of BN tokens; warp w of a group owns rows
-//    16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a split-K share).
+//  * One block of two groups of 4 warps owns 64 output rows and a tile of BN tokens; warp w of
+//    a group owns rows 16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a
+//    split-K share), each group taking half of every stage.
 //  * A 3-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
 //    tile (one contiguous 4..8 KB span: the format stores 64-row x stage tiles), their
 //    (scale, zero) pairs and the matching activation slice to shared memory, so 2 stages of
@@ -50,26 +50,28 @@ constexpr int chunks_per_stage() {
   return BITS == 8 ? 1 : 2;
 }
 
-// Warp groups of a block: with two chunks per stage (below 8 bits) a second group of 4 warps
-// takes the stage's second chunk and the two groups' accumulators are summed before the
-// epilogue. ncu on 28672x8192 4-bit N=1 with one group: 448 blocks gave 3.25 warps per
-// scheduler, no eligible warp in 44% of cycles and DRAM at 58%; shared memory allows 5 blocks
-// per SM, so the layer has too few blocks, not too little memory. Two groups double the warps
-// per block at the same shared memory and nearly the same instructions. At BN = 32 shared
-// memory (78 KB a block, mostly the x slices) allows only 2 blocks, 2 warps per scheduler with
-// one group: two groups took N = 32 from 1.23x to 1.32x cuBLAS at 4 bits and 1.24x to 1.45x at
-// 2 bits (geomean of the four issue shapes, same lease).
+// Warp groups of a block: two groups of 4 warps, each taking half of every stage (one of its
+// two chunks below 8 bits, half of its k16 tiles at 8 bits); the two groups' accumulators are
+// summed before the epilogue. ncu on 28672x8192 4-bit N=1 with one group: 448 blocks gave 3.25
+// warps per scheduler, no eligible warp in 44% of cycles and DRAM at 58%; shared memory allows
+// 5 blocks per SM, so the layer has too few blocks, not too little memory. Two groups double
+// the warps per block at the same shared memory and nearly the same instructions. Measured in
+// one lease each (geomean x cuBLAS of the four issue shapes): at BN = 32, where shared memory
+// (78 KB a block below 8 bits) allows only 2 blocks, N = 32 went 1.23x -> 1.32x at 4 bits and
+// 1.24x -> 1.45x at 2 bits; 8 bits went 1.53/1.46/1.23/0.96x -> 1.55/1.48/1.28/1.08x at
+// N = 1/8/16/32.
 template <int BITS, int BN>
-constexpr int kWarpGroups = BITS != 8 ? 2 : 1;  // BITS != 8: two chunks per stage
+constexpr int kWarpGroups = 2;
 template <int BITS, int BN>
 constexpr int kThreadsOf = 32 * kWarps * kWarpGroups<BITS, BN>;
 // Resident blocks the register allocation must allow (__launch_bounds__): with 256 threads
 // a block of 66-register threads would fit only 3 per SM, one short of a 448-block layer's
-// single wave; 4 caps BN=8 at 64 registers, 3 caps BN=16 at 85 (4 at BN=16 spilled 8-20 bytes
-// and measured 1.65x against 1.72x at N = 16) and 2 lets BN=32 use ~110. 0 (one group): the
-// compiler's choice.
+// single wave. 4 caps BN=8 at 64 registers; BN=16 gets 3 (85) below 8 bits, where 4 spilled
+// 8-20 bytes and measured 1.65x against 1.72x at N = 16, and 4 at 8 bits, where 3 left
+// 28672x8192 two waves (136 against 124 us, despite 20 bytes of spills at 4); BN=32 gets 2
+// (~110 registers).
 template <int BITS, int BN>
-constexpr int kMinBlocks = kWarpGroups<BITS, BN> == 1 ? 0 : BN == 8 ? 4 : BN == 16 ? 3 : 2;
+constexpr int kMinBlocks = BN == 8 || (BN == 16 && BITS == 8) ? 4 : BN == 16 ? 3 : 2;
 
 // Packed weight rows sit unpadded in shared memory; instead the 16-byte pieces of row r are
 // XOR-swizzled by piece_swizzle<BITS>(r) so the lanes of one shared-load phase hit distinct
@@ -199,18 +201,19 @@ __device__ __forceinline__ float integer_zero(float z) {
   return fminf(fmaxf(rintf(z), kLo), kHi);  // NaN clamps to a number; z - zi stays NaN
 }
 
-// A lane's BITS words at byte `offset` of swizzled row `r` (whose first byte is `row`).
-template <int BITS>
-__device__ __forceinline__ void load_words(uint32_t (&dst)[BITS], const unsigned char* row, int r, int offset) {
+// A lane's NW words (all BITS of a chunk, or half of them) at byte `offset` of swizzled row `r`
+// (whose first byte is `row`).
+template <int BITS, int NW>
+__device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned char* row, int r, int offset) {
   const int sw = piece_swizzle<BITS>(r);
   auto at = [&](int o) { return row + (((o >> 4) ^ sw) << 4) + (o & 15); };
-  if constexpr (BITS >= 4) {
+  if constexpr (NW >= 4) {
 #pragma unroll
-    for (int i = 0; i < BITS; i += 4) {
+    for (int i = 0; i < NW; i += 4) {
       const uint4 v = *reinterpret_cast<const uint4*>(at(offset + 4 * i));
       dst[i] = v.x, dst[i + 1] = v.y, dst[i + 2] = v.z, dst[i + 3] = v.w;
     }
-  } else if constexpr (BITS == 2) {
+  } else if constexpr (NW == 2) {
     const uint2 v = *reinterpret_cast<const uint2*>(at(offset));
     dst[0] = v.x, dst[1] = v.y;
   } else {
@@ -328,20 +331,33 @@ __global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
   // tokens against a ones matrix, reusing the B-fragment registers as its A operand. Before,
   // every segment paid that mma, its operand moves and two shuffles per 8 tokens, and the
   // difference sum q x - z sum x cancelled most of its digits.
+  // What a warp group computes of a stage: with two groups and two chunks (below 8 bits) one
+  // chunk each; with two groups and one chunk (8 bits) half of its k16 tiles each, tiles
+  // 4 * group .. 4 * group + 3, and with them the segments (groups of scales) that hold them:
+  // g128 splits its one segment, g64 and g32 give each group whole segments.
+  constexpr int kSplitTiles = kGroups == 2 && U == 1 ? 2 : 1;
+  constexpr int kGroupChunks = U * kSplitTiles / kGroups;  // chunks a group walks per stage
+  constexpr int kTiles = 8 / kSplitTiles;                  // k16 tiles a group takes per chunk
+  constexpr int kSegs = NG / kSplitTiles > 0 ? NG / kSplitTiles : 1;  // segments it meets
+  static_assert(kSplitTiles == 1 || BITS == 8, "only 8-bit words hold one tile each");
   constexpr int kXTiles = BN >= 16 ? BN / 16 : 1;  // 16-token groups of the x-sum mma
   constexpr uint32_t kOnes = kBF16 ? 0x3f803f80u : 0x3c003c00u;
   auto compute = [&](int stage) {
     const unsigned char* st = smem + stage * L::kStageBytes;
     const unsigned char* xrow = st + L::kXOffset + (g * L::kXStride + 4 * t) * 2;
 #pragma unroll
-    for (int uu = 0; uu < U / kGroups; ++uu) {
-      const int u = kGroups == 1 ? uu : group;  // an address term only: the loop stays unrolled
-      uint32_t w[2][BITS];
+    for (int uu = 0; uu < kGroupChunks; ++uu) {
+      // group, u and tile0 are address terms only: the loops stay unrolled
+      const int u = kGroups == kSplitTiles ? uu : group;
+      const int tile0 = kSplitTiles == 2 ? group * kTiles : 0;  // the group's first k16 tile
+      uint32_t w[2][BITS / kSplitTiles];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h, u * (kRowBytes / U) + 4 * BITS * t);
+        load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h,
+                         u * (kRowBytes / U) + 4 * BITS * t + 4 * BITS / kSplitTiles * (tile0 / kTiles));
 #pragma unroll
-      for (int j = 0; j < NG; ++j) {
+      for (int jj = 0; jj < kSegs; ++jj) {
+        const int j = group * NG / kSplitTiles * (kSplitTiles - 1) + jj;  // the chunk's segment
         float sc[2], zf[2];
         uint32_t zc[2], zc16[2];
 #pragma unroll
@@ -365,7 +381,7 @@ __global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
         float xsum[kXTiles][4];  // written and read only by the x-sum branch
         auto tiles = [&](const bool with_xsum) {
 #pragma unroll
-          for (int tile = j * (8 / NG); tile < (j + 1) * (8 / NG); ++tile) {
+          for (int tile = jj * (kTiles / kSegs); tile < (jj + 1) * (kTiles / kSegs); ++tile) {  // of the group's
             const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
             uint32_t a[4];
 #pragma unroll
@@ -377,7 +393,8 @@ __global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
               // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
-              const uint2 v = *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * tile) * 2);
+              const uint2 v =
+                  *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * (tile0 + tile)) * 2);
               b[nb][0] = v.x, b[nb][1] = v.y;
               ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
             }

@@ -2,13 +2,26 @@
 PopCount / masked PopCount, lane by lane, must give every lane exactly the registers the PTX
 layout assigns it."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from spinfer.format import TCABME
 from spinfer.format.bits import popcount_int
-from spinfer.format.smbd import mma_a_fragment, smbd_fragment
+from spinfer.format.smbd import mma_a_fragment, prmt, smbd_fragment, smbd_fragment_prmt
+
+HEADER = Path(__file__).resolve().parents[1] / "spinfer" / "csrc" / "spmm_smbd.cuh"
+
+
+def pair_table():
+    """The kernel's selector table, read from its one definition in the CUDA header."""
+    text = HEADER.read_text()
+    lo, hi = (int(re.search(rf"constexpr uint32_t {name} = (0x[0-9a-fA-F]+)u;", text).group(1), 16)
+              for name in ("kPairSelLo", "kPairSelHi"))
+    return lo, hi
 
 
 def tctiles_of(dense16):
@@ -20,10 +33,12 @@ def tctiles_of(dense16):
 
 
 def check(dense16):
+    """Both emulations (the offsets, and the kernel's v8 word arithmetic with its table) give
+    every lane the registers the PTX layout assigns it."""
     words, values = tctiles_of(dense16)
-    np.testing.assert_array_equal(
-        smbd_fragment(words, values).view(np.int16), mma_a_fragment(dense16).view(np.int16)
-    )
+    want = mma_a_fragment(dense16).view(np.int16)
+    np.testing.assert_array_equal(smbd_fragment(words, values).view(np.int16), want)
+    np.testing.assert_array_equal(smbd_fragment_prmt(words, values, *pair_table()).view(np.int16), want)
 
 
 def random_tile(density, rng):
@@ -78,3 +93,20 @@ def test_tctiles_inside_a_group_tile():
         frag = smbd_fragment(words[4 * t: 4 * t + 4], values[start:])
         tile = dense[16 * tr: 16 * tr + 16, 16 * tc: 16 * tc + 16]
         np.testing.assert_array_equal(frag.view(np.int16), mma_a_fragment(tile).view(np.int16))
+
+
+def test_prmt_emulation_follows_the_ptx_definition():
+    assert prmt(0x33221100, 0x77665544, 0x3210) == 0x33221100
+    assert prmt(0x33221100, 0x77665544, 0x5410) == 0x55441100
+    assert prmt(0x000000F0, 0, 0x4448) == 0x000000FF  # bit 3: replicate the byte's sign
+    assert prmt(0x00000070, 0, 0x4448) == 0x00000000
+
+
+def test_a_wrong_selector_table_is_caught():
+    """The check of the v8 arithmetic can fail: with one table byte changed (the low half's
+    selector for a pair whose first bit alone is set) a half-dense tile decodes wrongly."""
+    lo, hi = pair_table()
+    tile = random_tile(0.5, np.random.default_rng())
+    words, values = tctiles_of(tile)
+    bad = smbd_fragment_prmt(words, values, lo ^ 0x0000FF00, hi)
+    assert not np.array_equal(bad.view(np.int16), mma_a_fragment(tile).view(np.int16))

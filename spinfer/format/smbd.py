@@ -65,3 +65,45 @@ def smbd_fragment(words, values: np.ndarray) -> np.ndarray:
                 frag[lane, j, 1] = values[off + lo_set]
         base += popcount_int(word)
     return frag
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` default mode: byte ``i`` of the result is byte ``sel`` nibble ``i`` of
+    the 8 bytes ``b:a`` (a is bytes 0-3); a nibble's bit 3 replicates that byte's sign."""
+    src = (b << 32) | a
+    out = 0
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (n & 7))) & 0xFF
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def smbd_fragment_prmt(words, values: np.ndarray, table_lo: int, table_hi: int) -> np.ndarray:
+    """Decode one TCTile with the kernel's v8 word arithmetic (``decode_gt`` in
+    ``spinfer/csrc/spmm_smbd.cuh``): per lane and word, ``kept = half << (30 - lp)`` keeps the
+    bits up to the lane's pair, ``e = popc(kept)`` is one past the pair's last value, the
+    candidates are ``values[e - 2]`` and ``values[e - 1]`` (zero-extended; before the run they
+    read whatever precedes it, here a poison value), and two ``prmt`` with the selector table
+    ``(table_lo, table_hi)`` build the register. Returns ``[32 lanes, 4 registers, 2 halves]``."""
+    words = [int(w) & 0xFFFF_FFFF_FFFF_FFFF for w in words]
+    bits16 = values.view(np.uint16).astype(np.int64)
+    frag = np.zeros((LANES, 4), dtype=np.uint32)
+    base = 0
+    poison = 0xBEEF  # what lies before the run in shared memory: never selected
+    for j, word in enumerate(words):
+        for lane in range(LANES):
+            half = (word >> (32 * (lane >> 4))) & 0xFFFF_FFFF
+            lp = 2 * (lane & 15)
+            kept = (half * (1 << (30 - lp))) & 0xFFFF_FFFF
+            below_half = popcount_int(word & 0xFFFF_FFFF) if lane >= 16 else 0  # the half-word prefix
+            e = base + below_half + popcount_int(kept)
+            u0 = int(bits16[e - 2]) if e - 2 >= 0 else poison
+            u1 = int(bits16[e - 1]) if e - 1 >= 0 else poison
+            f = (kept * 4) >> 32
+            sel = prmt(table_lo, table_hi, f * 0x21)
+            frag[lane, j] = prmt(u0, u1, sel)
+        base += popcount_int(word)
+    return frag.view(np.uint16).reshape(LANES, 4, 2).view(values.dtype)

@@ -93,8 +93,8 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   const c10::cuda::CUDAGuard guard(p.x.device());
   const bool bf16 = p.x.scalar_type() == at::kBFloat16;
   const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
-  const SpmmPlan plan = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap,
-                                       p.x.get_device(), bf16);
+  const SpmmPlan plan =
+      spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap, p.x.get_device());
   const SplitK split(plan.splits, plan.workspace_floats, plan.counters, p.x.options());
   at::Tensor offsets = gtile_offset.contiguous();
   at::Tensor b = bias ? bias->contiguous() : at::Tensor();

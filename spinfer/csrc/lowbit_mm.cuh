@@ -60,10 +60,8 @@ constexpr int chunks_per_stage() {
 // (78 KB a block below 8 bits) allows only 2 blocks, N = 32 went 1.23x -> 1.32x at 4 bits and
 // 1.24x -> 1.45x at 2 bits; 8 bits went 1.53/1.46/1.23/0.96x -> 1.55/1.48/1.28/1.08x at
 // N = 1/8/16/32.
-template <int BITS, int BN>
-constexpr int kWarpGroups = 2;
-template <int BITS, int BN>
-constexpr int kThreadsOf = 32 * kWarps * kWarpGroups<BITS, BN>;
+constexpr int kGroups = 2;
+constexpr int kThreads = 32 * kWarps * kGroups;
 // Resident blocks the register allocation must allow (__launch_bounds__): with 256 threads
 // a block of 66-register threads would fit only 3 per SM, one short of a 448-block layer's
 // single wave. 4 caps BN=8 at 64 registers; BN=16 gets 3 (85) below 8 bits, where 4 spilled
@@ -222,7 +220,7 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
 }
 
 template <bool kBF16, int BITS, int BN, int NG>
-__global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
+__global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
     lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int iters_per_split, const int splits) {
   using L = Layout<BITS, BN, NG>;
   constexpr int U = L::U;
@@ -231,10 +229,8 @@ __global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_is_last;
 
-  constexpr int kThreads = kThreadsOf<BITS, BN>;
-  constexpr int kGroups = kWarpGroups<BITS, BN>;
   const int tid = threadIdx.x, warp = tid / 32 % kWarps, lane = tid % 32;
-  const int group = tid / (32 * kWarps);  // with two groups: the chunk of each stage it takes
+  const int group = tid / (32 * kWarps);  // the warp group: which half of each stage it takes
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * BN;
   const int valid_rows = min(BN, args.n - n0);
@@ -331,13 +327,13 @@ __global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
   // tokens against a ones matrix, reusing the B-fragment registers as its A operand. Before,
   // every segment paid that mma, its operand moves and two shuffles per 8 tokens, and the
   // difference sum q x - z sum x cancelled most of its digits.
-  // What a warp group computes of a stage: with two groups and two chunks (below 8 bits) one
-  // chunk each; with two groups and one chunk (8 bits) half of its k16 tiles each, tiles
-  // 4 * group .. 4 * group + 3, and with them the segments (groups of scales) that hold them:
-  // g128 splits its one segment, g64 and g32 give each group whole segments.
-  constexpr int kSplitTiles = kGroups == 2 && U == 1 ? 2 : 1;
-  constexpr int kGroupChunks = U * kSplitTiles / kGroups;  // chunks a group walks per stage
-  constexpr int kTiles = 8 / kSplitTiles;                  // k16 tiles a group takes per chunk
+  // What a warp group computes of a stage: below 8 bits (two chunks) chunk `group`; at 8 bits
+  // (one chunk) tiles 4 * group .. 4 * group + 3 of it, and with them the segments (groups of
+  // scales) that hold them: g128 splits its one segment, g64 and g32 give each group whole
+  // segments.
+  static_assert(U == kGroups || U == 1, "a group takes one chunk, or half of the only one");
+  constexpr int kSplitTiles = U == 1 ? 2 : 1;
+  constexpr int kTiles = 8 / kSplitTiles;                             // k16 tiles a group takes
   constexpr int kSegs = NG / kSplitTiles > 0 ? NG / kSplitTiles : 1;  // segments it meets
   static_assert(kSplitTiles == 1 || BITS == 8, "only 8-bit words hold one tile each");
   constexpr int kXTiles = BN >= 16 ? BN / 16 : 1;  // 16-token groups of the x-sum mma
@@ -345,98 +341,95 @@ __global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
   auto compute = [&](int stage) {
     const unsigned char* st = smem + stage * L::kStageBytes;
     const unsigned char* xrow = st + L::kXOffset + (g * L::kXStride + 4 * t) * 2;
+    // group, u and tile0 are address terms only: the loops below stay unrolled
+    const int u = kSplitTiles == 1 ? group : 0;               // the chunk
+    const int tile0 = kSplitTiles == 2 ? group * kTiles : 0;  // the group's first k16 tile in it
+    uint32_t w[2][BITS / kSplitTiles];
 #pragma unroll
-    for (int uu = 0; uu < kGroupChunks; ++uu) {
-      // group, u and tile0 are address terms only: the loops stay unrolled
-      const int u = kGroups == kSplitTiles ? uu : group;
-      const int tile0 = kSplitTiles == 2 ? group * kTiles : 0;  // the group's first k16 tile
-      uint32_t w[2][BITS / kSplitTiles];
+    for (int h = 0; h < 2; ++h)
+      load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h,
+                       u * (kRowBytes / U) + 4 * BITS * t + 4 * (tile0 / kTilesPerWord));
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h,
-                         u * (kRowBytes / U) + 4 * BITS * t + 4 * BITS / kSplitTiles * (tile0 / kTiles));
+    for (int jj = 0; jj < kSegs; ++jj) {
+      const int j = kSplitTiles == 2 ? group * (NG / 2) + jj : jj;  // the chunk's segment
+      float sc[2], zf[2];
+      uint32_t zc[2], zc16[2];
 #pragma unroll
-      for (int jj = 0; jj < kSegs; ++jj) {
-        const int j = group * NG / kSplitTiles * (kSplitTiles - 1) + jj;  // the chunk's segment
-        float sc[2], zf[2];
-        uint32_t zc[2], zc16[2];
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t sz =
+            *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
+        sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
+        const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
+        const float zi = integer_zero<kBF16, BITS>(z);
+        zf[h] = z - zi;
+        zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
+        zc16[h] = Num<kBF16>::splat(-64.f - zi);                  // fp16 4-bit only
+      }
+      float part[BN / 8][4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t sz =
-              *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
-          sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
-          const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
-          const float zi = integer_zero<kBF16, BITS>(z);
-          zf[h] = z - zi;
-          zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
-          zc16[h] = Num<kBF16>::splat(-64.f - zi);                  // fp16 4-bit only
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
+      // The segment's tiles, with or without the x-sum mma. Both calls below pass a constant
+      // and the lambda is inlined, so each branch is straight-line code without the test.
+      float xsum[kXTiles][4];  // written and read only by the x-sum branch
+      auto tiles = [&](const bool with_xsum) {
+#pragma unroll
+        for (int tile = jj * (kTiles / kSegs); tile < (jj + 1) * (kTiles / kSegs); ++tile) {  // of the group's
+          const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
+          uint32_t a[4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0, zc[h], zc16[h]);
+            a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1, zc[h], zc16[h]);
+          }
+          uint32_t b[BN / 8][2];
+#pragma unroll
+          for (int nb = 0; nb < BN / 8; ++nb) {
+            // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
+            const uint2 v =
+                *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * (tile0 + tile)) * 2);
+            b[nb][0] = v.x, b[nb][1] = v.y;
+            ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
+          }
+          if (with_xsum) {
+#pragma unroll
+            for (int p = 0; p < kXTiles; ++p) {
+              // A = x rows (tokens 16p + g and 16p + 8 + g): exactly the B fragments just loaded.
+              const uint32_t hi0 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][0] : 0u;
+              const uint32_t hi1 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][1] : 0u;
+              const uint32_t ax[4] = {b[2 * p % (BN / 8)][0], hi0, b[2 * p % (BN / 8)][1], hi1};
+              ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
+            }
+          }
         }
-        float part[BN / 8][4];
+      };
+      // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
+      if (__any_sync(0xffffffffu, zf[0] != 0.f || zf[1] != 0.f) || args.force_xsum) {
+#pragma unroll
+        for (int p = 0; p < kXTiles; ++p)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xsum[p][e] = 0.f;
+        tiles(true);
+        // Segment end: acc += s * part - s * (z - zi) * xsum, per row h and token.
+        const float cz[2] = {sc[0] * zf[0], sc[1] * zf[1]};
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+          // Token nb*8 + 2t + e's sum sits in xsum[nb/2] row (nb%2)*8 + 2t + e, column 0: lane
+          // 4*(2t+e), register 0 (rows 0-7) or 2 (rows 8-15).
+          float xt[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) xt[e] = __shfl_sync(0xffffffffu, xsum[nb / 2][(nb % 2) * 2], 4 * (2 * t + e));
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc[nb][e] = fmaf(sc[e / 2], part[nb][e], fmaf(-cz[e / 2], xt[e % 2], acc[nb][e]));
+        }
+      } else {
+        tiles(false);
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
-        // The segment's tiles, with or without the x-sum mma. Both calls below pass a constant
-        // and the lambda is inlined, so each branch is straight-line code without the test.
-        float xsum[kXTiles][4];  // written and read only by the x-sum branch
-        auto tiles = [&](const bool with_xsum) {
-#pragma unroll
-          for (int tile = jj * (kTiles / kSegs); tile < (jj + 1) * (kTiles / kSegs); ++tile) {  // of the group's
-            const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
-            uint32_t a[4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0, zc[h], zc16[h]);
-              a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1, zc[h], zc16[h]);
-            }
-            uint32_t b[BN / 8][2];
-#pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb) {
-              // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
-              const uint2 v =
-                  *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * (tile0 + tile)) * 2);
-              b[nb][0] = v.x, b[nb][1] = v.y;
-              ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
-            }
-            if (with_xsum) {
-#pragma unroll
-              for (int p = 0; p < kXTiles; ++p) {
-                // A = x rows (tokens 16p + g and 16p + 8 + g): exactly the B fragments just loaded.
-                const uint32_t hi0 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][0] : 0u;
-                const uint32_t hi1 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][1] : 0u;
-                const uint32_t ax[4] = {b[2 * p % (BN / 8)][0], hi0, b[2 * p % (BN / 8)][1], hi1};
-                ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
-              }
-            }
-          }
-        };
-        // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
-        if (__any_sync(0xffffffffu, zf[0] != 0.f || zf[1] != 0.f) || args.force_xsum) {
-#pragma unroll
-          for (int p = 0; p < kXTiles; ++p)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) xsum[p][e] = 0.f;
-          tiles(true);
-          // Segment end: acc += s * part - s * (z - zi) * xsum, per row h and token.
-          const float cz[2] = {sc[0] * zf[0], sc[1] * zf[1]};
-#pragma unroll
-          for (int nb = 0; nb < BN / 8; ++nb) {
-            // Token nb*8 + 2t + e's sum sits in xsum[nb/2] row (nb%2)*8 + 2t + e, column 0: lane
-            // 4*(2t+e), register 0 (rows 0-7) or 2 (rows 8-15).
-            float xt[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) xt[e] = __shfl_sync(0xffffffffu, xsum[nb / 2][(nb % 2) * 2], 4 * (2 * t + e));
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc[nb][e] = fmaf(sc[e / 2], part[nb][e], fmaf(-cz[e / 2], xt[e % 2], acc[nb][e]));
-          }
-        } else {
-          tiles(false);
-#pragma unroll
-          for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(sc[e / 2], part[nb][e], acc[nb][e]);
-        }
+          for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(sc[e / 2], part[nb][e], acc[nb][e]);
       }
     }
   };
@@ -466,24 +459,22 @@ __global__ void __launch_bounds__(kThreadsOf<BITS, BN>, kMinBlocks<BITS, BN>)
     compute(i % kStages);
   }
   ptx::cp_async_wait_group<0>();
-  if constexpr (kGroups == 2) {
-    // The second group's accumulators join the first's through the (now idle) stage buffers.
-    static_assert(kThreads / 2 * BN / 2 * 4 <= L::kSmemBytes, "room for one group's accumulators");
-    float* red = reinterpret_cast<float*>(smem);
-    const int slot = tid % (32 * kWarps);
-    __syncthreads();  // every warp is done with the last stage
-    if (group == 1)
+  // The second group's accumulators join the first's through the (now idle) stage buffers.
+  static_assert(kThreads / 2 * BN / 2 * 4 <= L::kSmemBytes, "room for one group's accumulators");
+  float* red = reinterpret_cast<float*>(smem);
+  const int slot = tid % (32 * kWarps);
+  __syncthreads();  // every warp is done with the last stage
+  if (group == 1)
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
+    for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) red[(nb * 4 + e) * (32 * kWarps) + slot] = acc[nb][e];
-    __syncthreads();
-    if (group == 0)
+      for (int e = 0; e < 4; ++e) red[(nb * 4 + e) * (32 * kWarps) + slot] = acc[nb][e];
+  __syncthreads();
+  if (group == 0)
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
+    for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nb][e] += red[(nb * 4 + e) * (32 * kWarps) + slot];
-  }
+      for (int e = 0; e < 4; ++e) acc[nb][e] += red[(nb * 4 + e) * (32 * kWarps) + slot];
   const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
   store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, my_row, n0, split, splits, acc, lane, tid, &s_is_last,
                                               group == 0);
@@ -501,7 +492,7 @@ struct Launcher {
     const int total_iters = (plan.chunks + U - 1) / U;
     const int iters_per_split = (total_iters + plan.splits - 1) / plan.splits;
     const dim3 grid(plan.n_tiles, plan.row_blocks, plan.splits);
-    kernel<<<grid, kThreadsOf<BITS, BN>, kSmem, stream>>>(args, plan.chunks, iters_per_split, plan.splits);
+    kernel<<<grid, kThreads, kSmem, stream>>>(args, plan.chunks, iters_per_split, plan.splits);
     return cudaGetLastError();
   }
   // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).
@@ -522,7 +513,7 @@ struct Launcher {
     constexpr int kSmem = Layout<BITS, BN, NG>::kSmemBytes;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 1;
     int blocks = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreadsOf<BITS, BN>, kSmem) != cudaSuccess)
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, kSmem) != cudaSuccess)
       return 1;
     return blocks > 0 ? blocks : 1;
   }

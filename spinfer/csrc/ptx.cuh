@@ -67,7 +67,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 
 // Integer multiply and multiply-high on the FMA pipe. As inline PTX so the compiler cannot
 // turn a multiply by a power of two into a shift, which would run on the ALU pipe: the SMBD
-// decode is ALU-bound and moves work to the idle FMA pipe on purpose.
+// decode moves work off the busy ALU pipe onto the idle FMA pipe on purpose.
 __device__ __forceinline__ uint32_t mul_lo(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.lo.u32 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));

@@ -55,7 +55,7 @@ int env_int(const char* name, int fallback) {
 }  // namespace
 }  // namespace smbd
 
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool /*bf16*/) {
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device) {
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;

@@ -44,7 +44,7 @@ struct SpmmPlan {
 // pipeline depth and SPINFER_LOADER=cp_async the loader.
 // max_run is the weight's longest GroupTile run (TCABME.max_run); SPINFER_VALUE_CAP overrides
 // the value buffer size (for A/B runs; a value below max_run truncates runs).
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, bool bf16);
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device);
 
 cudaError_t spmm_smbd_run(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 

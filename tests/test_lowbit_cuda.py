@@ -59,6 +59,27 @@ def test_forced_split_k_and_large_m(splits, monkeypatch):
         assert rel_err(fused(x, q, b), reference(x, q, b)) <= 2e-3
 
 
+def test_split_counters_shared_across_calls_and_streams(monkeypatch):
+    """Split launches share one arrival-counter buffer per stream that each launch leaves zero:
+    split factors and tile counts changing back to back, queued without a sync, on the default
+    stream and on a side stream."""
+    qs = [LowBitWeight.quantize(torch.randn(m, 2048, device="cuda").half(), 4, 128) for m in (333, 1000)]
+    xs = [torch.randn(n, 2048, device="cuda").half() for n in (1, 20)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    runs = []
+    for splits in ["2", "7", "3", "5"]:
+        monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
+        for q in qs:
+            for x in xs:
+                runs.append((q, x, spinfer.lowbit_mm(x, q)))
+                with torch.cuda.stream(side):
+                    runs.append((q, x, spinfer.lowbit_mm(x, q)))
+    torch.cuda.synchronize()
+    for i, (q, x, y) in enumerate(runs):
+        assert rel_err(y, reference(x, q)) <= 2e-3, f"call {i}"
+
+
 def test_values_that_exercise_every_bit():
     # bf16 8-bit converts q >= 128 separately; constant and extreme groups; q spans 0..2^bits-1
     for bits in BITS:

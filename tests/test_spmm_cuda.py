@@ -67,6 +67,35 @@ def test_split_k_and_stages_forced(monkeypatch, splits, stages, n):
     check(w, [n], torch.float16)  # counters are re-armed by the kernel: a second call is right too
 
 
+def test_split_counters_shared_across_calls_and_streams(monkeypatch):
+    """Split launches share one arrival-counter buffer per stream, which every launch must leave
+    zero: different split factors and tile counts back to back, on the default stream and on a
+    side stream (its own buffer), each checked; then queued without a sync in between."""
+    shapes = [(300, 1450), (700, 3000), (130, 900)]
+    ws = [random_sparse(s, 0.5, torch.float16, device="cuda") for s in shapes]
+    encs = [TCABME.from_dense(w) for w in ws]
+    side = torch.cuda.Stream()
+    for splits in ["2", "7", "3", "5"]:
+        monkeypatch.setenv("SPINFER_SPLITS", splits)
+        for w, enc in zip(ws, encs):
+            x = torch.randn(9, w.shape[1], device="cuda").half()
+            ref = x.double() @ w.double().t()
+            assert rel_err(spmm_poisoned(x, enc), ref) <= 2e-3, f"splits {splits}, {tuple(w.shape)}"
+            with torch.cuda.stream(side):
+                side.wait_stream(torch.cuda.current_stream())
+                y = spinfer.spmm(x, enc)
+            torch.cuda.current_stream().wait_stream(side)
+            assert rel_err(y, ref) <= 2e-3, f"side stream, splits {splits}, {tuple(w.shape)}"
+    xs = [torch.randn(9, w.shape[1], device="cuda").half() for w in ws]
+    ys = []
+    for splits in ["4", "2", "6"]:  # queued back to back, no sync
+        monkeypatch.setenv("SPINFER_SPLITS", splits)
+        ys += [spinfer.spmm(x, enc) for x, enc in zip(xs, encs)]
+    for i, y in enumerate(ys):
+        w, x = ws[i % 3], xs[i % 3]
+        assert rel_err(y, x.double() @ w.double().t()) <= 2e-3, f"queued call {i}"
+
+
 def adversarial(name, m=200, k=700):
     w = torch.zeros(m, k, device="cuda")
     if name == "one_dense_group_tile":

@@ -57,6 +57,7 @@ ncu_case() {  # name kernel-regex script args...
         python3 "$@" >"$OUT/ncu-$name.log" 2>&1 || { tail -20 "$OUT/ncu-$name.log"; status=1; }
     ncu -i "$OUT/$name.ncu-rep" --page details --csv >"$OUT/ncu-$name-details.csv" 2>>"$OUT/ncu-$name.log"
     ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu-$name-source.csv" 2>>"$OUT/ncu-$name.log"
+    ncu -i "$OUT/$name.ncu-rep" --page raw --csv 2>>"$OUT/ncu-$name.log" | python3 scripts/ncu_stalls.py
     rm -f "$OUT/$name.ncu-rep"
     grep -E '"(Duration|Achieved Occupancy|Theoretical Occupancy|Issued Warp Per Scheduler|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Registers Per Thread|Block Limit [A-Za-z ]+|Executed Ipc Active|Memory Throughput|DRAM Throughput)"' \
         "$OUT/ncu-$name-details.csv" | awk -F'","' '{print $(NF-2)": "$NF" "$(NF-1)}' | tr -d '"' | sort -u

@@ -81,8 +81,8 @@ def test_split_counters_shared_across_calls_and_streams(monkeypatch):
             x = torch.randn(9, w.shape[1], device="cuda").half()
             ref = x.double() @ w.double().t()
             assert rel_err(spmm_poisoned(x, enc), ref) <= 2e-3, f"splits {splits}, {tuple(w.shape)}"
+            side.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
             with torch.cuda.stream(side):
-                side.wait_stream(torch.cuda.current_stream())
                 y = spinfer.spmm(x, enc)
             torch.cuda.current_stream().wait_stream(side)
             assert rel_err(y, ref) <= 2e-3, f"side stream, splits {splits}, {tuple(w.shape)}"

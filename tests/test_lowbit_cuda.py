@@ -59,6 +59,20 @@ def test_forced_split_k_and_large_m(splits, monkeypatch):
         assert rel_err(fused(x, q, b), reference(x, q, b)) <= 2e-3
 
 
+@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.parametrize("splits", ["1", "2", "3"])
+def test_forced_split_k_at_other_widths_and_odd_stage_counts(bits, splits, monkeypatch):
+    """Split-K at 1, 2 and 8 bits, where K=1792 (and 1700, padded to it) gives 7 stages (14 at 8
+    bits), so splits of 3 leave the last split short."""
+    monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
+    for k in (1792, 1700):
+        q = LowBitWeight.quantize(torch.randn(200, k, device="cuda").half(), bits, 64 if k == 1792 else None)
+        b = torch.randn(200, device="cuda").half()
+        for n in (1, 5, 8, 20):
+            x = torch.randn(n, k, device="cuda").half()
+            assert rel_err(fused(x, q, b), reference(x, q, b)) <= 2e-3, f"K={k} N={n}"
+
+
 def test_split_counters_shared_across_calls_and_streams(monkeypatch):
     """Split launches share one arrival-counter buffer per stream that each launch leaves zero:
     split factors and tile counts changing back to back, queued without a sync, on the default
@@ -136,6 +150,28 @@ def test_integer_and_fractional_zero_points_in_one_warp(dtype, monkeypatch):
             forced = fused(x, q)
             assert rel_err(mixed, ref) <= TOL[dtype], (bits, n, "per-segment choice")
             assert rel_err(forced, ref) <= TOL[dtype], (bits, n, "sum(x) forced")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_zero_points_at_the_edges_of_the_integer_path(dtype):
+    """The kernel decodes zero points in the weight dtype and takes the integer path where a
+    16-row warp tile's zeros are all integers in [-1024, 1023] (fp16; bf16 [-128, 127]);
+    anything else takes the sum(x) path. Every warp tile here holds one edge value, and every
+    row is checked on its own."""
+    lim = 1024 if dtype == torch.float16 else 128
+    edges = [lim - 1, -lim, lim, -lim - 1, 0.0, 2.5, -3.0]
+    m, k = 16 * len(edges), 512
+    for bits in (4, 8):
+        levels = (1 << bits) - 1
+        w_q = torch.randint(0, levels + 1, (m, k), device="cuda")
+        scale = (torch.rand(m, k // 128, device="cuda") * 0.02 + 0.001).to(dtype)
+        zero = torch.tensor(edges, device="cuda").repeat_interleave(16)[:, None].expand(m, k // 128).to(dtype)
+        q = LowBitWeight.from_hqq(w_q, scale, zero, bits, 128, (m, k))
+        w = (w_q.double() - zero.double().repeat_interleave(128, 1)) * scale.double().repeat_interleave(128, 1)
+        x = torch.randn(8, k, device="cuda").to(dtype)
+        ref = x.double() @ w.t()
+        err = ((fused(x, q).double() - ref).norm(dim=0) / ref.norm(dim=0)).cpu()
+        assert float(err.max()) <= TOL[dtype], (bits, [edges[int(i) // 16] for i in (err > TOL[dtype]).nonzero()])
 
 
 def test_integer_zero_path_is_exact_up_to_the_output_rounding():

@@ -48,16 +48,17 @@ cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s)
   }
 }
 
-// Split-K factor, from same-process sweeps on H100 (docs/kernels.md). Splitting costs ~5 us
-// (the counter reset and the partial-tile reduction), which is a fifth of a 4096-wide layer,
-// so a layer that already gives every SM a block runs unsplit (14336x4096 at 4 bits: 26 us
-// unsplit, 31-36 us split). Narrower layers split to ~2.5 blocks per SM (4096x14336: 65 us
-// unsplit, 29 us with 4-8 splits; 8192x28672: 126 us unsplit, 75 us with 3-4), keeping at
-// least 4 stages per split and every block resident.
+// Split-K factor, from same-process sweeps on H100 (docs/quant.md). A layer that already gives
+// every SM a block runs unsplit (14336x4096 at 4 bits: 19 us unsplit, 22-26 us with 2-8
+// splits). Narrower layers split to about 2 blocks per SM, keeping at least 4 stages per split
+// and every block resident. 4 bits, N = 1 / 8 / 16, one process: 4096x14336 (64 row blocks)
+// 21.2 / 23.0 / 27.6 us with 2 splits, 19.0 / 21.1 / 26.0 with 4, 20.4 / 22.3 / 29.2 with 6 (the
+// old rule's ~2.5 blocks per SM; unsplit ~31 / 33 / 39 in an earlier lease); 8192x28672 (128)
+// 54 / 61 / 80 us with 2 or 3 splits, 55 / 62 / 97 with 4.
 int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
   if (base_blocks >= sms) return 1;
   constexpr int kMinItersPerSplit = 4;
-  const int want = (5 * sms + 2 * base_blocks - 1) / (2 * base_blocks);
+  const int want = (4 * sms + base_blocks) / (2 * base_blocks);  // round(2 * sms / base_blocks)
   const int fit = std::max(1, slots / base_blocks);
   return std::max(1, std::min({want, fit, std::max(1, total_iters / kMinItersPerSplit)}));
 }

@@ -125,6 +125,15 @@ struct Num<false> {
                               *reinterpret_cast<const __half2*>(&c));
     return *reinterpret_cast<const uint32_t*>(&r);
   }
+  static __device__ __forceinline__ bool equal(uint32_t a, uint32_t b) {  // both halves; NaN never equal
+    return __hbeq2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  }
+  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [-1024, 1023], as integer_zero
+    const __half2 lo = __halves2half2(__ushort_as_half(0xe400u), __ushort_as_half(0xe400u));
+    const __half2 hi = __halves2half2(__ushort_as_half(0x63feu), __ushort_as_half(0x63feu));
+    const __half2 r = __hmin2(__hmax2(*reinterpret_cast<const __half2*>(&z), lo), hi);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
   static __device__ __forceinline__ float to_float(uint16_t v) { return __half2float(__ushort_as_half(v)); }
   static __device__ __forceinline__ uint32_t splat(float v) {
     const __half h = __float2half_rn(v);
@@ -150,6 +159,15 @@ struct Num<true> {
     const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&a),
                                      *reinterpret_cast<const __nv_bfloat162*>(&b),
                                      *reinterpret_cast<const __nv_bfloat162*>(&c));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+  static __device__ __forceinline__ bool equal(uint32_t a, uint32_t b) {
+    return __hbeq2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  }
+  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [-128, 127], as integer_zero
+    const __nv_bfloat162 lo = __halves2bfloat162(__ushort_as_bfloat16(0xc300u), __ushort_as_bfloat16(0xc300u));
+    const __nv_bfloat162 hi = __halves2bfloat162(__ushort_as_bfloat16(0x42feu), __ushort_as_bfloat16(0x42feu));
+    const __nv_bfloat162 r = __hmin2(__hmax2(*reinterpret_cast<const __nv_bfloat162*>(&z), lo), hi);
     return *reinterpret_cast<const uint32_t*>(&r);
   }
   static __device__ __forceinline__ float to_float(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
@@ -283,32 +301,38 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
                       (static_cast<int64_t>(n0 + x_row) * args.kp + it_begin * L::kCols + (tid % kXPieces) * 8) * 2;
   const int64_t x_step = static_cast<int64_t>(kXRowStep) * args.kp * 2;  // bytes between a thread's x rows
 
-  auto issue = [&](int stage, int it) {
-    unsigned char* st = smem + stage * L::kStageBytes;
-    const int c0 = (it_begin + it) * U;  // first chunk of the stage
+  // issue(st) fills the stage buffer at shared address st with the next stage: stages are
+  // issued in order, so the sources are cursors that advance by one stage per call rather
+  // than addresses recomputed from the stage number (SASS: a third of the ~55 instructions
+  // that every thread spent per stage on copies was that arithmetic).
+  const unsigned char* w_next = w_src;
+  const char* x_next = x_src;
+  int col_next = it_begin * L::kCols;  // first column of the next stage
+  auto issue = [&](const uint32_t st) {
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
-    const unsigned char* tile = w_src + static_cast<int64_t>(it) * kBlockRows * kRowBytes;
 #pragma unroll
     for (int i = 0; i < kWCopies; ++i) {
       if (kWSlots % kThreads != 0 && tid >= kWSlots) break;  // 1-bit with two groups: 128 pieces
-      ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride, tile + i * kThreads * 16);
+      ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride, w_next + i * kThreads * 16);
     }
+    w_next += kBlockRows * kRowBytes;
 #pragma unroll
     for (int i = 0; i < kSzCopies; ++i) {
       if (kSzSlots % kThreads != 0 && tid + i * kThreads >= kSzSlots) continue;  // no slot
       // Group of the slot's columns: group sizes are powers of two, and per-channel groups
       // (size K) come with a shift that gives 0; padding columns clamp to the last group.
-      const int col = c0 * kChunk + sz_col[i];
+      const int col = col_next + sz_col[i];
       const bool ok = sz_row[i] != nullptr && col < args.kp;
       const int grp = min(col >> args.group_shift, args.groups - 1);
       ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
     }
-    const char* xs = x_src + static_cast<int64_t>(it) * L::kCols * 2;
+    col_next += L::kCols;
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
       if (x_row + i * kXRowStep >= valid_rows) break;  // rows past N stay zero
-      ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, xs + i * x_step);
+      ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, x_next + i * x_step);
     }
+    x_next += L::kCols * 2;
   };
 
   float acc[BN / 8][4];
@@ -338,8 +362,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   static_assert(kSplitTiles == 1 || BITS == 8, "only 8-bit words hold one tile each");
   constexpr int kXTiles = BN >= 16 ? BN / 16 : 1;  // 16-token groups of the x-sum mma
   constexpr uint32_t kOnes = kBF16 ? 0x3f803f80u : 0x3c003c00u;
-  auto compute = [&](int stage) {
-    const unsigned char* st = smem + stage * L::kStageBytes;
+  auto compute = [&](int offset) {
+    const unsigned char* st = smem + offset;
     const unsigned char* xrow = st + L::kXOffset + (g * L::kXStride + 4 * t) * 2;
     // group, u and tile0 are address terms only: the loops below stay unrolled
     const int u = kSplitTiles == 1 ? group : 0;               // the chunk
@@ -352,18 +376,34 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
 #pragma unroll
     for (int jj = 0; jj < kSegs; ++jj) {
       const int j = kSplitTiles == 2 ? group * (NG / 2) + jj : jj;  // the chunk's segment
-      float sc[2], zf[2];
-      uint32_t zc[2], zc16[2];
+      float sc[2];
+      uint32_t sz[2], zc[2], zc16[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t sz =
-            *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
-        sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz & 0xffffu));
-        const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz >> 16));
-        const float zi = integer_zero<kBF16, BITS>(z);
-        zf[h] = z - zi;
-        zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
-        zc16[h] = Num<kBF16>::splat(-64.f - zi);                  // fp16 4-bit only
+        sz[h] = *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
+        sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] & 0xffffu));
+      }
+      // The common case, integer zero points (RTN, GPTQ), decoded in the weight dtype for both
+      // rows at once: with z clamped to integer_zero's range, zc = magic + z and zc - magic are
+      // exact, and give back z exactly when z is an integer inside that range, i.e. when
+      // integer_zero(z) == z. Against converting each zero to fp32, rounding and clamping it
+      // (SASS: ~25 instructions per segment; 2-bit g64 has two segments per 8 k16 tiles), this
+      // is ~10. Any other zero takes the fp32 decode below, and its segment the x-sum path.
+      const uint32_t zz = ptx::prmt(sz[0], sz[1], 0x7632);  // {z row g, z row g + 8}
+      uint32_t zc2;
+      bool exact;
+      if constexpr (kBF16 && BITS == 8) {  // integer_zero is 0 here: only z == 0 is exact
+        zc2 = Num<kBF16>::kMagic;
+        exact = Num<kBF16>::equal(zz, 0u);
+      } else {
+        zc2 = Num<kBF16>::add(Num<kBF16>::clamp_zero(zz), Num<kBF16>::kMagic);
+        exact = Num<kBF16>::equal(Num<kBF16>::sub(zc2, Num<kBF16>::kMagic), zz);
+      }
+      const uint32_t zc16x2 = Num<kBF16>::sub(0x63806380u /* half2(960, 960) */, zc2);  // -64 - z: fp16 4-bit
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
+        zc16[h] = ptx::prmt(zc16x2, zc16x2, h ? 0x3232 : 0x1010);
       }
       float part[BN / 8][4];
 #pragma unroll
@@ -405,7 +445,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
         }
       };
       // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
-      if (__any_sync(0xffffffffu, zf[0] != 0.f || zf[1] != 0.f) || args.force_xsum) {
+      if (__any_sync(0xffffffffu, !exact) || args.force_xsum) {
+        float zf[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] >> 16));
+          const float zi = integer_zero<kBF16, BITS>(z);
+          zf[h] = z - zi;
+          zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
+          zc16[h] = Num<kBF16>::splat(-64.f - zi);                  // fp16 4-bit only
+        }
 #pragma unroll
         for (int p = 0; p < kXTiles; ++p)
 #pragma unroll
@@ -443,20 +492,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   }
   // Stage i is consumed while stage i+1 is in flight. A group is committed every iteration
   // (empty near the end) so wait_group's count stays uniform.
+  // The buffers computed (rd) and filled (wr) this iteration, as byte offsets that wrap.
+  const uint32_t smem_base = ptx::smem_addr(smem);
+  int rd = 0, wr = 0;
+  auto next = [](int off) { return off + L::kStageBytes == L::kSmemBytes ? 0 : off + L::kStageBytes; };
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < iters) issue(st, st);
+    if (st < iters) issue(smem_base + wr);
     ptx::cp_async_commit_group();
+    wr = next(wr);
   }
   for (int i = 0; i < iters; ++i) {
     ptx::cp_async_wait_group<kStages - 2>();
     // Stage i is visible to all threads, and all threads are done with stage i-1, whose
     // buffer the prefetch below overwrites.
     __syncthreads();
-    const int pf = i + kStages - 1;
-    if (pf < iters) issue(pf % kStages, pf);
+    if (i + kStages - 1 < iters) issue(smem_base + wr);
     ptx::cp_async_commit_group();
-    compute(i % kStages);
+    compute(rd);
+    rd = next(rd), wr = next(wr);
   }
   ptx::cp_async_wait_group<0>();
   // The second group's accumulators join the first's through the (now idle) stage buffers.

@@ -15,20 +15,24 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte global->shared async copy through L2 only (.cg: the weight stream is read once, so
 // keeping it out of L1 leaves L1 for nothing else but costs nothing). When `valid` is false
 // the source is not read and the 16 destination bytes are zero-filled (src-size 0).
-__device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_src, bool valid = true) {
+__device__ __forceinline__ void cp_async_cg_16(uint32_t smem_dst, const void* gmem_src, bool valid = true) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
                : "memory");
+}
+__device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_src, bool valid = true) {
+  cp_async_cg_16(smem_addr(smem_dst), gmem_src, valid);
 }
 
 // 4-byte global->shared async copy through L1 (.ca: the only form for sizes below 16); zero
 // fill when `valid` is false, as above.
-__device__ __forceinline__ void cp_async_ca_4(void* smem_dst, const void* gmem_src, bool valid = true) {
+__device__ __forceinline__ void cp_async_ca_4(uint32_t smem_dst, const void* gmem_src, bool valid = true) {
   const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
-               "r"(src_bytes)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
                : "memory");
+}
+__device__ __forceinline__ void cp_async_ca_4(void* smem_dst, const void* gmem_src, bool valid = true) {
+  cp_async_ca_4(smem_addr(smem_dst), gmem_src, valid);
 }
 
 __device__ __forceinline__ void cp_async_commit_group() {

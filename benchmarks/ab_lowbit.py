@@ -7,16 +7,14 @@ by the planner at every launch (LOWBIT_SPLITS); 'auto' is the planner's own choi
 """
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 
 import spinfer
 from spinfer.quant import LowBitWeight
-from spinfer.timing import median_time
 
-from ab_spmm import apply  # benchmarks/ is on sys.path when this script runs
+from ab_spmm import compare  # benchmarks/ is on sys.path when this script runs
 
 
 def main():
@@ -31,7 +29,7 @@ def main():
     spinfer.build.load_extension()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}: x cuBLAS (us), {bits}-bit g{group}; configs: {configs}")
-    logs = {c: [] for c in configs}
+    cases = []
     for shape in a.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
         w = torch.randn(m, k, device=dev).half()
@@ -39,16 +37,9 @@ def main():
         for n in (int(v) for v in a.ns.split(",")):
             x = torch.randn(n, k, device=dev).half()
             out = torch.empty(n, m, device=dev).half()
-            t_ref = median_time(lambda: F.linear(x, w), dev, reps=40)
-            cells = []
-            for c in configs:
-                apply(c)
-                t = median_time(lambda: spinfer.lowbit_mm(x, q, out=out), dev, reps=40)
-                logs[c].append(math.log(t_ref / t))
-                cells.append(f"{t_ref / t:4.2f} ({t * 1e6:6.1f})")
-            apply("auto")
-            print(f"{m:>5}x{k:<5} N={n:<3} cuBLAS {t_ref * 1e6:6.1f} | " + " | ".join(cells), flush=True)
-    print("geomean x cuBLAS: " + " | ".join(f"{c}: {math.exp(sum(v) / len(v)):.3f}" for c, v in logs.items()))
+            cases.append((f"{m:>5}x{k:<5} N={n:<3}", lambda x=x, w=w: F.linear(x, w),
+                          lambda x=x, q=q, out=out: spinfer.lowbit_mm(x, q, out=out)))
+    compare(configs, cases, dev)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def main():
     spinfer.build.load_extension()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}: x cuBLAS (us), sparsity {a.sparsity}; configs: {configs}")
-    logs = {c: [] for c in configs}
+    cases = []
     for shape in a.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
         w = torch.randn(m, k, device=dev).half()
@@ -46,17 +46,26 @@ def main():
         enc = TCABME.from_dense(w)
         for n in (int(v) for v in a.ns.split(",")):
             x = torch.randn(n, k, device=dev).half()
-            t_ref = median_time(lambda: F.linear(x, w), dev, reps=40)
-            cells = []
-            for c in configs:
-                apply(c)
-                t = median_time(lambda: spinfer.spmm(x, enc), dev, reps=40)
-                logs[c].append(math.log(t_ref / t))
-                cells.append(f"{t_ref / t:4.2f} ({t * 1e6:6.1f})")
-            apply("auto")
-            print(f"{m:>5}x{k:<5} N={n:<3} cuBLAS {t_ref * 1e6:6.1f} | " + " | ".join(cells), flush=True)
-    print("geomean x cuBLAS: " + " | ".join(f"{c}: {math.exp(sum(v) / len(v)):.3f}" for c, v in logs.items()))
+            cases.append((f"{m:>5}x{k:<5} N={n:<3}", lambda x=x, w=w: F.linear(x, w),
+                          lambda x=x, enc=enc: spinfer.spmm(x, enc)))
+    compare(configs, cases, dev)
 
+
+def compare(configs, cases, dev):
+    """Times each case's (cuBLAS, op) pair with the op under every configuration, interleaved in
+    one process; prints x cuBLAS (us) per case and the geomean per configuration."""
+    logs = {c: [] for c in configs}
+    for label, ref, op in cases:
+        t_ref = median_time(ref, dev, reps=40)
+        cells = []
+        for c in configs:
+            apply(c)
+            t = median_time(op, dev, reps=40)
+            logs[c].append(math.log(t_ref / t))
+            cells.append(f"{t_ref / t:4.2f} ({t * 1e6:6.1f})")
+        apply("auto")
+        print(f"{label} cuBLAS {t_ref * 1e6:6.1f} | " + " | ".join(cells), flush=True)
+    print("geomean x cuBLAS: " + " | ".join(f"{c}: {math.exp(sum(v) / len(v)):.3f}" for c, v in logs.items()))
 
 if __name__ == "__main__":
     main()

@@ -157,9 +157,11 @@ def test_zero_points_at_the_edges_of_the_integer_path(dtype):
     """The kernel decodes zero points in the weight dtype and takes the integer path where a
     16-row warp tile's zeros are all integers in [-1024, 1023] (fp16; bf16 [-128, 127]);
     anything else takes the sum(x) path. Every warp tile here holds one edge value, and every
-    row is checked on its own."""
+    row is checked on its own. The last edge is an integer far enough below the range that
+    magic + z is still exact but (1024 + q) - (magic + z) is not: without the clamp to the
+    range the integer path would take it and round (fp16 at 8 bits, bf16 at 4 and 8)."""
     lim = 1024 if dtype == torch.float16 else 128
-    edges = [lim - 1, -lim, lim, -lim - 1, 0.0, 2.5, -3.0]
+    edges = [lim - 1, -lim, lim, -lim - 1, 0.0, 2.5, -3.0, -2000.0 if dtype == torch.float16 else -250.0]
     m, k = 16 * len(edges), 512
     for bits in (4, 8):
         levels = (1 << bits) - 1

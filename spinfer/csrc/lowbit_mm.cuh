@@ -112,6 +112,8 @@ template <>
 struct Num<false> {
   static constexpr uint32_t kMagic = 0x64006400u;  // half2(1024, 1024)
   static constexpr float kMagicValue = 1024.f;
+  // Integer zero points the A fragments subtract exactly (integer_zero): magic + z in [0, 2047].
+  static constexpr float kZeroLo = -1024.f, kZeroHi = 1023.f;
   static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
     const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
     return *reinterpret_cast<const uint32_t*>(&r);
@@ -128,10 +130,10 @@ struct Num<false> {
   static __device__ __forceinline__ bool equal(uint32_t a, uint32_t b) {  // both halves; NaN never equal
     return __hbeq2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
   }
-  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [-1024, 1023], as integer_zero
-    const __half2 lo = __halves2half2(__ushort_as_half(0xe400u), __ushort_as_half(0xe400u));
-    const __half2 hi = __halves2half2(__ushort_as_half(0x63feu), __ushort_as_half(0x63feu));
-    const __half2 r = __hmin2(__hmax2(*reinterpret_cast<const __half2*>(&z), lo), hi);
+  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [kZeroLo, kZeroHi]
+    const uint32_t lo = splat(kZeroLo), hi = splat(kZeroHi);
+    const __half2 r = __hmin2(__hmax2(*reinterpret_cast<const __half2*>(&z), *reinterpret_cast<const __half2*>(&lo)),
+                              *reinterpret_cast<const __half2*>(&hi));
     return *reinterpret_cast<const uint32_t*>(&r);
   }
   static __device__ __forceinline__ float to_float(uint16_t v) { return __half2float(__ushort_as_half(v)); }
@@ -145,6 +147,7 @@ template <>
 struct Num<true> {
   static constexpr uint32_t kMagic = 0x43004300u;  // bfloat162(128, 128)
   static constexpr float kMagicValue = 128.f;
+  static constexpr float kZeroLo = -128.f, kZeroHi = 127.f;  // magic + z in [0, 255]
   static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
     const __nv_bfloat162 r =
         __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
@@ -164,10 +167,11 @@ struct Num<true> {
   static __device__ __forceinline__ bool equal(uint32_t a, uint32_t b) {
     return __hbeq2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
   }
-  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [-128, 127], as integer_zero
-    const __nv_bfloat162 lo = __halves2bfloat162(__ushort_as_bfloat16(0xc300u), __ushort_as_bfloat16(0xc300u));
-    const __nv_bfloat162 hi = __halves2bfloat162(__ushort_as_bfloat16(0x42feu), __ushort_as_bfloat16(0x42feu));
-    const __nv_bfloat162 r = __hmin2(__hmax2(*reinterpret_cast<const __nv_bfloat162*>(&z), lo), hi);
+  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [kZeroLo, kZeroHi]
+    const uint32_t lo = splat(kZeroLo), hi = splat(kZeroHi);
+    const __nv_bfloat162 r = __hmin2(__hmax2(*reinterpret_cast<const __nv_bfloat162*>(&z),
+                                             *reinterpret_cast<const __nv_bfloat162*>(&lo)),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&hi));
     return *reinterpret_cast<const uint32_t*>(&r);
   }
   static __device__ __forceinline__ float to_float(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
@@ -213,8 +217,8 @@ __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t z
 template <bool kBF16, int BITS>
 __device__ __forceinline__ float integer_zero(float z) {
   if constexpr (kBF16 && BITS == 8) return 0.f;
-  constexpr float kLo = kBF16 ? -128.f : -1024.f, kHi = kBF16 ? 127.f : 1023.f;
-  return fminf(fmaxf(rintf(z), kLo), kHi);  // NaN clamps to a number; z - zi stays NaN
+  // NaN clamps to a number; z - zi stays NaN
+  return fminf(fmaxf(rintf(z), Num<kBF16>::kZeroLo), Num<kBF16>::kZeroHi);
 }
 
 // A lane's NW words (all BITS of a chunk, or half of them) at byte `offset` of swizzled row `r`
@@ -377,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
     for (int jj = 0; jj < kSegs; ++jj) {
       const int j = kSplitTiles == 2 ? group * (NG / 2) + jj : jj;  // the chunk's segment
       float sc[2];
-      uint32_t sz[2], zc[2], zc16[2];
+      uint32_t sz[2], zc[2], zc16[2] = {0u, 0u};  // zc16: fp16 4-bit only
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         sz[h] = *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
@@ -399,11 +403,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
         zc2 = Num<kBF16>::add(Num<kBF16>::clamp_zero(zz), Num<kBF16>::kMagic);
         exact = Num<kBF16>::equal(Num<kBF16>::sub(zc2, Num<kBF16>::kMagic), zz);
       }
-      const uint32_t zc16x2 = Num<kBF16>::sub(0x63806380u /* half2(960, 960) */, zc2);  // -64 - z: fp16 4-bit
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
-        zc16[h] = ptx::prmt(zc16x2, zc16x2, h ? 0x3232 : 0x1010);
+      for (int h = 0; h < 2; ++h) zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
+      if constexpr (!kBF16 && BITS == 4) {  // the odd pairs' addend, -64 - z = 960 - (1024 + z)
+        const uint32_t zc16x2 = Num<kBF16>::sub(0x63806380u /* half2(960, 960) */, zc2);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) zc16[h] = ptx::prmt(zc16x2, zc16x2, h ? 0x3232 : 0x1010);
       }
       float part[BN / 8][4];
 #pragma unroll

@@ -9,12 +9,11 @@ by the planner at every launch (LOWBIT_SPLITS); 'auto' is the planner's own choi
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 import spinfer
 from spinfer.quant import LowBitWeight
 
-from ab_spmm import compare  # benchmarks/ is on sys.path when this script runs
+from ab_spmm import build_cases, compare  # benchmarks/ is on sys.path when this script runs
 
 
 def main():
@@ -29,16 +28,12 @@ def main():
     spinfer.build.load_extension()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}: x cuBLAS (us), {bits}-bit g{group}; configs: {configs}")
-    cases = []
-    for shape in a.shapes.split(","):
-        m, k = (int(v) for v in shape.split("x"))
-        w = torch.randn(m, k, device=dev).half()
+    def prepare(w):
         q = LowBitWeight.quantize(w, bits, group)
-        for n in (int(v) for v in a.ns.split(",")):
-            x = torch.randn(n, k, device=dev).half()
-            out = torch.empty(n, m, device=dev).half()
-            cases.append((f"{m:>5}x{k:<5} N={n:<3}", lambda x=x, w=w: F.linear(x, w),
-                          lambda x=x, q=q, out=out: spinfer.lowbit_mm(x, q, out=out)))
+        out = torch.empty(max(int(n) for n in a.ns.split(",")), w.shape[0], device=dev).half()
+        return lambda x: spinfer.lowbit_mm(x, q, out=out[: x.shape[0]])
+
+    cases = build_cases(a.shapes, a.ns, dev, prepare)
     compare(configs, cases, dev)
 
 

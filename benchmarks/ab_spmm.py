@@ -38,17 +38,28 @@ def main():
     spinfer.build.load_extension()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}: x cuBLAS (us), sparsity {a.sparsity}; configs: {configs}")
+    def prepare(w):
+        w[torch.rand(w.shape, device=dev) < a.sparsity] = 0
+        enc = TCABME.from_dense(w)
+        return lambda x: spinfer.spmm(x, enc)
+
+    cases = build_cases(a.shapes, a.ns, dev, prepare)
+    compare(configs, cases, dev)
+
+
+def build_cases(shapes, ns, dev, prepare):
+    """(label, cuBLAS call, op call) per shape and N: a random fp16 weight per shape, handed to
+    prepare(w), which may prune it in place and returns the op as a function of x; cuBLAS
+    multiplies by the weight as prepare left it."""
     cases = []
-    for shape in a.shapes.split(","):
+    for shape in shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
         w = torch.randn(m, k, device=dev).half()
-        w[torch.rand(m, k, device=dev) < a.sparsity] = 0
-        enc = TCABME.from_dense(w)
-        for n in (int(v) for v in a.ns.split(",")):
+        op = prepare(w)
+        for n in (int(v) for v in ns.split(",")):
             x = torch.randn(n, k, device=dev).half()
-            cases.append((f"{m:>5}x{k:<5} N={n:<3}", lambda x=x, w=w: F.linear(x, w),
-                          lambda x=x, enc=enc: spinfer.spmm(x, enc)))
-    compare(configs, cases, dev)
+            cases.append((f"{m:>5}x{k:<5} N={n:<3}", lambda x=x, w=w: F.linear(x, w), lambda x=x, op=op: op(x)))
+    return cases
 
 
 def compare(configs, cases, dev):

@@ -73,6 +73,21 @@ def test_forced_split_k_at_other_widths_and_odd_stage_counts(bits, splits, monke
             assert rel_err(fused(x, q, b), reference(x, q, b)) <= 2e-3, f"K={k} N={n}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bn", ["8", "16", "32"])
+def test_forced_token_tile_with_split_k_and_bias(bn, dtype, monkeypatch):
+    """Every token tile at N that leaves several tiles and a partial last one, unsplit and split
+    (the split-K sum reads float4 runs of rows; M=333 ends inside one)."""
+    monkeypatch.setenv("SPINFER_LOWBIT_BN", bn)
+    q = LowBitWeight.quantize(torch.randn(333, 2048, device="cuda").to(dtype), 4, 128)
+    b = torch.randn(333, device="cuda").to(dtype)
+    for splits in ("1", "3"):
+        monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
+        for n in (1, 9, 17, 40):
+            x = torch.randn(n, 2048, device="cuda").to(dtype)
+            assert rel_err(fused(x, q, b), reference(x, q, b)) <= TOL[dtype], f"splits={splits} N={n}"
+
+
 def test_split_counters_shared_across_calls_and_streams(monkeypatch):
     """Split launches share one arrival-counter buffer per stream that each launch leaves zero:
     split factors and tile counts changing back to back, queued without a sync, on the default

@@ -70,6 +70,10 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   using namespace lowbit;
   LowbitPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : 32;
+  if (const char* env = std::getenv("SPINFER_LOWBIT_BN")) {  // 8, 16 or 32: for A/B runs and tests
+    const int forced = std::atoi(env);
+    if (forced == 8 || forced == 16 || forced == 32) p.bn = forced;
+  }
   p.n_tiles = (n + p.bn - 1) / p.bn;
   p.row_blocks = (m + kBlockRows - 1) / kBlockRows;
   p.chunks = kp / kChunk;

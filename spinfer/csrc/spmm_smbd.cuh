@@ -399,8 +399,9 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
       ptx::cp_async_wait_group<0>();
     }
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-    store_tile<kBF16, BN, kGt, kBlock>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, b.split, splits, acc, lane, tid,
-                                       &s_is_last, !producer);
+    constexpr bool kVectorSum = kMinBlocks<BN, kBulk> == 0;  // see store_tile
+    store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, b.split, splits, acc,
+                                                   lane, tid, &s_is_last, !producer);
   }
 }
 

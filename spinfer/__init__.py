@@ -5,11 +5,12 @@ from .ops import lowbit_mm, spmm
 from .nn import SparseLinear, calibrate, load, save
 from .prune import magnitude_prune, sparsify
 from .quant import LowBitWeight
+from . import tuning  # noqa: E402  (spinfer.tuning.tune_spmm / tune_lowbit)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TCABME", "LowBitWeight", "SparseLinear", "calibrate", "load", "lowbit_mm", "save", "spmm", "magnitude_prune",
-    "sparsify",
+    "sparsify", "tuning",
     "__version__",
 ]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import spinfer
+from spinfer import tuning
 from spinfer.bench import parse_shapes, write_rows
 from spinfer.ops.lowbit_mm import FUSED_MAX_N
 from spinfer.quant import LowBitWeight
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None, help="bits:group pairs, e.g. 4:128,2:64")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--csv", default=None)
+    p.add_argument("--tuned", action="store_true",
+                   help="time each layer with its split-K factor measured first by spinfer.tuning.tune_lowbit "
+                        "(in memory) instead of the planner's rule")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_lowbit: needs a CUDA GPU", file=sys.stderr)
@@ -101,9 +105,9 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev)
     print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); fp16; "
           f"L2 flushed before every call; median of {a.reps}; fused kernel for N <= "
-          f"{FUSED_MAX_N}")
+          f"{FUSED_MAX_N}; split-K {'tuned per layer and N (spinfer.tuning)' if a.tuned else 'by the planner'}")
     print(f"{'M':>6} {'K':>6} {'N':>4} {'bits':>4} {'group':>5} {'cuBLAS us':>10} {'lowbit us':>9} {'x cuBLAS':>8} "
-          f"{'GB/s':>6} {'% copy':>6} {'int4 us':>8} {'x cuBLAS':>8} {'fused us':>8}")
+          f"{'GB/s':>6} {'% copy':>6} {'int4 us':>8} {'x cuBLAS':>8} {'fused us':>8} {'splits':>6}")
     rows = []
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
@@ -112,15 +116,22 @@ def main(argv=None) -> int:
             q = LowBitWeight.quantize(dense, bits, group)
             wq = q.dequantize()
             wbytes = q.storage_bytes().total
+            # splits: the tuned factor per N (0: the planner's), or 0 everywhere: explicit, so a
+            # tuned table in the user's cache never leaks into planner figures.
+            fused_ns = [n for n in ns if n <= FUSED_MAX_N]
+            chosen = dict.fromkeys(ns, 0)
+            if a.tuned:
+                chosen.update({n: r["splits"] for n, r in tuning.tune_lowbit(q, fused_ns, save=False).items()})
             for n in ns:
                 x = torch.randn(n, k, device=dev, generator=gen).half()
-                y = spinfer.lowbit_mm(x, q)
+                y = spinfer.lowbit_mm(x, q, splits=chosen[n])
                 ref = F.linear(x, wq)
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
                 t_dense = median_time(lambda: F.linear(x, dense), dev, reps=a.reps)
-                t_q = median_time(lambda: spinfer.lowbit_mm(x, q), dev, reps=a.reps)
+                t_q = median_time(lambda: spinfer.lowbit_mm(x, q, splits=chosen[n]), dev, reps=a.reps)
                 out = torch.empty(n, m, device=dev, dtype=x.dtype)
-                t_f = t_q if n <= FUSED_MAX_N else median_time(lambda: spinfer.lowbit_mm(x, q, out=out), dev, reps=a.reps)
+                t_f = t_q if n <= FUSED_MAX_N else median_time(lambda: spinfer.lowbit_mm(x, q, out=out, splits=0), dev,
+                                                                reps=a.reps)
                 t_i4 = None
                 if (bits, group) == (4, 128):
                     fn = torch_int4(x.bfloat16(), m, k, gen)
@@ -130,11 +141,13 @@ def main(argv=None) -> int:
                          fused_us=t_f * 1e6,
                          speedup=t_dense / t_q, gbps=moved / t_q / 1e9, pct_copy=100 * moved / t_q / bw,
                          int4_us=None if t_i4 is None else t_i4 * 1e6,
-                         int4_speedup=None if t_i4 is None else t_dense / t_i4, rel_err_vs_dequant=err, device=name)
+                         int4_speedup=None if t_i4 is None else t_dense / t_i4, rel_err_vs_dequant=err,
+                         splits=chosen[n], device=name)
                 rows.append(r)
                 i4 = f"{r['int4_us']:>8.1f} {r['int4_speedup']:>8.2f}" if t_i4 else f"{'-':>8} {'-':>8}"
                 print(f"{m:>6} {k:>6} {n:>4} {bits:>4} {group:>5} {r['cublas_us']:>10.1f} {r['lowbit_us']:>9.1f} "
-                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {i4} {r['fused_us']:>8.1f}", flush=True)
+                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {i4} {r['fused_us']:>8.1f} "
+                      f"{chosen[n] or 'plan':>6}", flush=True)
                 if err > 2e-3:  # a fast wrong answer is not a result: say so on the row
                     print(f"  WARNING: lowbit_mm differs from the dequantized reference by {err:.2e}", flush=True)
     print_summary(rows)

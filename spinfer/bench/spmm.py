@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import spinfer
 from spinfer.bench import parse_shapes, write_rows
+from spinfer import tuning
 from spinfer.format import TCABME
 from spinfer.timing import copy_bandwidth, median_time
 
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--csv", default=None)
+    p.add_argument("--tuned", action="store_true",
+                   help="time each layer with its split-K factor measured first by spinfer.tuning.tune_spmm "
+                        "(in memory) instead of the planner's rule")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_spmm: needs a CUDA GPU", file=sys.stderr)
@@ -71,10 +75,11 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev)
     print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); "
-          f"{a.dtype}; L2 flushed before every call; median of {a.reps}")
+          f"{a.dtype}; L2 flushed before every call; median of {a.reps}; split-K "
+          f"{'tuned per layer and N (spinfer.tuning)' if a.tuned else 'by the planner'}")
     rows = []
     header = f"{'M':>6} {'K':>6} {'N':>4} {'sparsity':>8} {'cuBLAS us':>10} {'spmm us':>9} {'x cuBLAS':>8} " \
-             f"{'GB/s':>6} {'% copy':>6} {'CR':>5}"
+             f"{'GB/s':>6} {'% copy':>6} {'CR':>5} {'splits':>6}"
     print(header)
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
@@ -83,20 +88,25 @@ def main(argv=None) -> int:
             w = dense.masked_fill(torch.rand(m, k, device=dev, generator=gen) < s, 0.0)
             enc = TCABME.from_dense(w)
             wbytes = enc.storage_bytes().total
+            # splits: the tuned factor per N (0 where the planner's was best), or 0 everywhere:
+            # explicit, so a tuned table in the user's cache never leaks into planner figures.
+            chosen = {n: r["splits"] for n, r in tuning.tune_spmm(enc, ns, save=False).items()} if a.tuned \
+                else dict.fromkeys(ns, 0)
             for n in ns:
                 x = torch.randn(n, k, device=dev, generator=gen).to(dt)
-                y = spinfer.spmm(x, enc)
+                y = spinfer.spmm(x, enc, splits=chosen[n])
                 ref = F.linear(x, w)
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
                 t_dense = median_time(lambda: F.linear(x, w), dev, reps=a.reps)
-                t_sp = median_time(lambda: spinfer.spmm(x, enc), dev, reps=a.reps)
+                t_sp = median_time(lambda: spinfer.spmm(x, enc, splits=chosen[n]), dev, reps=a.reps)
                 moved = wbytes + 2 * n * k + 2 * n * m
                 r = dict(M=m, K=k, N=n, sparsity=s, cublas_us=t_dense * 1e6, spmm_us=t_sp * 1e6,
                          speedup=t_dense / t_sp, gbps=moved / t_sp / 1e9, pct_copy=100 * moved / t_sp / bw,
-                         cr=enc.compression_ratio, rel_err_vs_cublas=err, device=name)
+                         cr=enc.compression_ratio, rel_err_vs_cublas=err, splits=chosen[n], device=name)
                 rows.append(r)
                 print(f"{m:>6} {k:>6} {n:>4} {s:>8.1f} {r['cublas_us']:>10.1f} {r['spmm_us']:>9.1f} "
-                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f}", flush=True)
+                      f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f} "
+                      f"{chosen[n] or 'plan':>6}", flush=True)
                 if err > 1e-2:  # a fast wrong answer is not a result: say so on the row
                     print(f"  WARNING: spmm differs from cuBLAS by {err:.2e} (relative) on this case", flush=True)
     print_summary(rows)

@@ -111,14 +111,15 @@ Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const 
 }
 
 void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t max_run,
-         const std::optional<at::Tensor>& bias, at::Tensor& y) {
+         const std::optional<at::Tensor>& bias, int64_t splits, at::Tensor& y) {
   const int64_t n = p.x.size(0);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(p.x.device());
   const bool bf16 = p.x.scalar_type() == at::kBFloat16;
   const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
   const SpmmPlan plan =
-      spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap, p.x.get_device());
+      spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap, p.x.get_device(),
+                     static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   const SplitK split(plan.splits, plan.workspace_floats, plan.counters, p.x.options());
   at::Tensor offsets = gtile_offset.contiguous();
   at::Tensor b = bias ? bias->contiguous() : at::Tensor();
@@ -142,34 +143,38 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
 
 at::Tensor spmm_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                      const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
-                     int64_t max_run, const std::optional<at::Tensor>& bias) {
+                     int64_t max_run, const std::optional<at::Tensor>& bias, int64_t splits) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm (CUDA) got x on ", x.device());
+  TORCH_CHECK_VALUE(splits >= 0, "splits must be >= 0 (0: the planner's choice), got ", splits);
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
   TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && p.kp <= INT32_MAX, "shape too large");
   at::Tensor y = at::empty({x.size(0), m}, x.options());
-  run(p, gtile_offset, m, max_run, bias, y);
+  run(p, gtile_offset, m, max_run, bias, splits, y);
   return y;
 }
 
 void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                    const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
-                   int64_t max_run, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+                   int64_t max_run, const std::optional<at::Tensor>& bias, int64_t splits, at::Tensor& out) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm_out (CUDA) got x on ", x.device());
+  TORCH_CHECK_VALUE(splits >= 0, "splits must be >= 0 (0: the planner's choice), got ", splits);
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
                     "out must be a contiguous [", x.size(0), ", ", m, "] tensor, got ", out.sizes());
   TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", out.scalar_type(), " but x is ",
                    x.scalar_type());
   TORCH_CHECK_VALUE(out.device() == x.device(), "out is on ", out.device(), " but x is on ", x.device());
-  run(p, gtile_offset, m, max_run, bias, out);
+  run(p, gtile_offset, m, max_run, bias, splits, out);
 }
 
 // ---- lowbit_mm_out: the fused low-bit kernel. The Python layer (LowBitWeight and
 // check_op_inputs) has already checked everything below; these checks guard direct calls.
 void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero,
                         int64_t bits, int64_t group_size, int64_t m, int64_t k,
-                        const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+                        const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t splits,
+                        at::Tensor& out) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::lowbit_mm_out (CUDA) got x on ", x.device());
+  TORCH_CHECK_VALUE(splits >= 0, "splits must be >= 0 (0: the planner's choice), got ", splits);
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(m >= 1 && k >= 1 && group_size >= 1 && k % group_size == 0,
                     "bad low-bit geometry: m=", m, " k=", k, " group_size=", group_size);
@@ -219,7 +224,8 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const LowbitPlan plan = lowbit_mm_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(kp),
-                                         static_cast<int>(bits), static_cast<int>(group_size), x.get_device(), bf16);
+                                         static_cast<int>(bits), static_cast<int>(group_size), x.get_device(), bf16,
+                                         static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   const SplitK split(plan.splits, plan.workspace_floats, plan.counters, x.options());
   LowbitArgs a{};
   a.x = xg.data_ptr();

@@ -66,7 +66,8 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
 }  // namespace
 }  // namespace lowbit
 
-LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16) {
+LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16,
+                          int splits_wanted) {
   using namespace lowbit;
   LowbitPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : 32;
@@ -90,6 +91,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     const int forced = std::atoi(env);
     if (forced > 0) splits = std::min(forced, total_iters);
   }
+  if (splits_wanted > 0) splits = std::min(splits_wanted, total_iters);
   const int per_split = (total_iters + splits - 1) / splits;
   p.splits = (total_iters + per_split - 1) / per_split;  // no empty splits
   if (p.splits > 1) {

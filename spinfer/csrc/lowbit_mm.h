@@ -37,8 +37,10 @@ struct LowbitPlan {
   int counters;
 };
 
-// SPINFER_LOWBIT_SPLITS overrides the split-K choice (A/B runs and tests).
-LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16);
+// splits > 0: that split-K factor (capped at the stages), as tuned by spinfer.tuning; 0: the
+// planner's rule, which SPINFER_LOWBIT_SPLITS overrides (A/B runs and tests), as
+// SPINFER_LOWBIT_BN (8, 16, 32) does the token tile.
+LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16, int splits);
 
 cudaError_t lowbit_mm_run(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream);
 

@@ -55,7 +55,7 @@ int env_int(const char* name, int fallback) {
 }  // namespace
 }  // namespace smbd
 
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device) {
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, int splits_wanted) {
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
@@ -75,6 +75,7 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device) {
   p.stages = std::min(kMaxStages, std::max(2, env_int("SPINFER_STAGES", 2)));
   int splits = choose_splits(p.grid_m * p.n_tiles, sms, p.grid_k);
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
+  if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);
   // Splits hold whole pairs of GroupTiles, so only the last stage of the last split can be odd.
   p.k_per_split = (p.grid_k + splits - 1) / splits;
   if (p.k_per_split < p.grid_k) p.k_per_split = (p.k_per_split + 1) / 2 * 2;

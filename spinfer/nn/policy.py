@@ -17,6 +17,7 @@ from typing import Dict, Optional
 import torch
 
 from ..cache import read_entry, write_entry
+from ..tuning import device_key
 
 # Kernel names a layer can dispatch to.
 DENSE = "dense"  # F.linear on a dense weight (cuBLAS on CUDA)
@@ -99,11 +100,6 @@ _PROFILE_FILE = "device_profiles.json"
 _AUTOTUNE_FILE = "autotune.json"
 
 
-def _device_key(device: torch.device) -> str:
-    props = torch.cuda.get_device_properties(device)
-    return f"{props.name}|sm{props.major}{props.minor}|{props.multi_processor_count}"
-
-
 _PROFILES: Dict[str, DeviceProfile] = {}
 
 
@@ -112,7 +108,7 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     describe the H100 the kernels are tuned for)."""
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return DeviceProfile()
-    key = _device_key(torch.device(device))
+    key = device_key(torch.device(device))
     if key in _PROFILES:
         return _PROFILES[key]
     stored = read_entry(_PROFILE_FILE, key)
@@ -159,7 +155,7 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
                          sparse_bandwidth=enc.storage_bytes().total / (gt_cost[8] * ngt), tensor_flops=flops,
                          launch=launch, spmm_launch=spmm_launch, gt_cost=gt_cost,
                          decode_bandwidth=(enc.storage_bytes().total + 2 * m * k) / td, measured=True)
-    key = _device_key(dev)
+    key = device_key(dev)
     _PROFILES[key] = prof
     if save:
         write_entry(_PROFILE_FILE, key, asdict(prof))
@@ -171,7 +167,7 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
 def device_name(device: torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
-        return _device_key(device)
+        return device_key(device)
     import platform
 
     return f"cpu|{platform.processor() or platform.machine()}|{torch.get_num_threads()}threads"

@@ -10,8 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import tuning
 from ..format import TCABME
 from ..ops import lowbit_mm, spmm
+from ..ops.lowbit_mm import FUSED_MAX_N
 from ..quant import LowBitWeight
 from ..timing import median_time
 from . import policy as P
@@ -210,6 +212,12 @@ class SparseLinear(nn.Module):
         return self._choices[key]
 
     def _time_candidates(self, n: int) -> Dict[str, float]:
+        if self._device().type == "cuda":  # the kernels' split-K factor first, then the kernel
+            w = self.weight_object()
+            if P.SPMM in self.candidates():
+                tuning.tune_spmm(w, [n], reps=10)
+            if P.LOWBIT in self.candidates() and n <= FUSED_MAX_N:
+                tuning.tune_lowbit(w, [n], reps=10)
         x = torch.randn(n, self.in_features, device=self._device(), dtype=self.weight_dtype)
         return {kern: median_time(lambda: self._run(kern, x), x.device, reps=10, max_seconds=2)
                 for kern in self.candidates()}

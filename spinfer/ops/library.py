@@ -11,11 +11,13 @@ LIB = torch.library.Library("spinfer", "DEF")
 
 _SPMM_ARGS = (
     "Tensor x, Tensor bitmap, Tensor values, Tensor gtile_offset, "
-    "int m, int k, int gt_h, int gt_w, int max_run, Tensor? bias=None"
+    "int m, int k, int gt_h, int gt_w, int max_run, Tensor? bias=None, int splits=0"
 )
 # max_run: the longest GroupTile value run (TCABME.max_run); the CUDA kernel sizes its
 # shared-memory value buffers by it. A value below the true maximum is refused on the CPU and,
 # on CUDA, truncates runs (wrong results, never an out-of-bounds access).
+# splits: the CUDA kernel's split-K factor, 0 for its planner's choice (spinfer/tuning.py tunes
+# it per shape and N); the result is the same up to fp32 summation order. The CPU ignores it.
 LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")
 # Writes into a caller-provided [N, M] buffer: static buffers for CUDA graphs, and tests that
 # poison the output before the launch.
@@ -24,9 +26,10 @@ LIB.define(f"spmm_out({_SPMM_ARGS}, *, Tensor(a!) out) -> ()")
 # Weight-only low-bit matmul: y = x @ dequantize(W).T + bias (spinfer/quant/lowbit.py layout).
 _LOWBIT_ARGS = (
     "Tensor x, Tensor qweight, Tensor scale_zero, int bits, int group_size, "
-    "int m, int k, Tensor? perm=None, Tensor? bias=None"
+    "int m, int k, Tensor? perm=None, Tensor? bias=None, int splits=0"
 )
-# Picks the fused kernel or dequantize-then-cuBLAS by N (spinfer/ops/lowbit_mm.py).
+# Picks the fused kernel or dequantize-then-cuBLAS by N (spinfer/ops/lowbit_mm.py). splits: the
+# fused kernel's split-K factor, as for spmm.
 LIB.define(f"lowbit_mm({_LOWBIT_ARGS}) -> Tensor")
 # Always the fused kernel on CUDA, into a caller-provided [N, M] buffer.
 LIB.define(f"lowbit_mm_out({_LOWBIT_ARGS}, *, Tensor(a!) out) -> ()")

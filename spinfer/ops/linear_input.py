@@ -48,3 +48,15 @@ def check_out(out, x, m: int) -> None:
                          f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
     if out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out must be contiguous and on {x.device}")
+
+
+def check_splits(splits):
+    """A public wrapper's ``splits``: None (tuned, else the planner's choice) or an int >= 0
+    (0: the planner's choice), checked here so no bad value reaches a kernel."""
+    if splits is None:
+        return None
+    if isinstance(splits, bool) or not isinstance(splits, int):
+        raise TypeError(f"splits must be an int or None, got {type(splits).__name__}")
+    if splits < 0:
+        raise ValueError(f"splits must be >= 0 (0: the planner's choice), got {splits}")
+    return splits

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import build
+from .. import build, tuning
 from ..quant.lowbit import LowBitWeight, dequantize
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import check_op_inputs, check_out, flatten_input
+from .linear_input import check_op_inputs, check_out, check_splits, flatten_input
 
 # Largest N served by the fused kernel; dequantize + cuBLAS above. Never below 32 (issue 4);
 # 256 is the largest N measured (benchmarks/bench_lowbit.py), where fused still won 5x.
@@ -38,19 +38,19 @@ def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accum
 
 
 @torch.library.register_fake("spinfer::lowbit_mm")
-def _lowbit_mm_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None):
+def _lowbit_mm_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0):
     check_op_inputs(x, scale_zero, m, k, bias)
     if x.device.type == "cuda" and x.shape[0] <= FUSED_MAX_N:
         build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
 
-def _lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None):
+def _lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0):
     LowBitWeight(qweight, None, None, bits, group_size, (m, k), perm, scale_zero=scale_zero)  # validates
     return _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias)
 
 
-def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None):
+def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0):
     # O(1) checks only: the permutation check would sync the device on every call. A perm that
     # is not a permutation gathers wrong columns but never reads out of bounds (index_select).
     LowBitWeight(qweight, None, None, bits, group_size, (m, k), perm, validate=False, scale_zero=scale_zero)
@@ -58,17 +58,17 @@ def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, b
         return _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accumulate=None)
     check_op_inputs(x, scale_zero, m, k, bias)
     out = x.new_empty((x.shape[0], m))
-    torch.ops.spinfer.lowbit_mm_out(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, out=out)
+    torch.ops.spinfer.lowbit_mm_out(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, splits, out=out)
     return out
 
 
 @torch.library.register_fake("spinfer::lowbit_mm_out")
-def _lowbit_mm_out_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, *, out):
+def _lowbit_mm_out_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0, *, out):
     check_op_inputs(x, scale_zero, m, k, bias)
     check_out(out, x, m)
 
 
-def _lowbit_mm_out_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, *, out):
+def _lowbit_mm_out_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0, *, out):
     check_out(out, x, m)
     out.copy_(_lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm, bias))
 
@@ -81,17 +81,24 @@ torch.library.impl("spinfer::lowbit_mm_out", "CPU")(_lowbit_mm_out_cpu)
 
 
 def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None,
-              *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              *, out: Optional[torch.Tensor] = None, splits: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
     ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation).
 
     With ``out`` (a contiguous ``[N, M]`` tensor, ``N`` the product of the leading dims), the
-    fused kernel writes into it at any N: static buffers for CUDA graphs."""
+    fused kernel writes into it at any N: static buffers for CUDA graphs.
+
+    ``splits`` sets the fused kernel's split-K factor; by default it is the one
+    :func:`spinfer.tuning.tune_lowbit` measured best for this shape and N, or the planner's rule
+    where none was tuned."""
     x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias)
+    splits = check_splits(splits)
     m, k = weight.shape
     if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
         build.load_extension()  # JIT-compiles the kernels on first use, then cached
-    args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias)
+    if splits is None:
+        splits = tuning.lowbit_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
+    args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits)
     if out is not None:
         check_out(out, x2, m)
         if x2.shape[0]:

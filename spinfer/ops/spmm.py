@@ -12,21 +12,21 @@ from typing import Optional
 
 import torch
 
-from .. import build
+from .. import build, tuning
 from ..format.tca_bme import TCABME, Geometry, check_structure, decode, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import check_op_inputs, check_out, flatten_input
+from .linear_input import check_op_inputs, check_out, check_splits, flatten_input
 
 
 @torch.library.register_fake("spinfer::spmm")
-def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None):
+def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0):
     check_op_inputs(x, values, m, k, bias)
     if x.device.type == "cuda":
         build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
 
-def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None):
+def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0):
     geom = Geometry(m, k, gt_h, gt_w)
     # The arrays may come from anywhere when the op is called directly: check them fully.
     validate_arrays(bitmap, values, gtile_offset, geom)
@@ -42,12 +42,12 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
 
 
 @torch.library.register_fake("spinfer::spmm_out")
-def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, *, out):
+def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, *, out):
     check_op_inputs(x, values, m, k, bias)
     check_out(out, x, m)
 
 
-def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, *, out):
+def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, *, out):
     check_out(out, x, m)
     out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias))
 
@@ -58,10 +58,16 @@ torch.library.impl("spinfer::spmm", "CPU")(_spmm_cpu)
 torch.library.impl("spinfer::spmm_out", "CPU")(_spmm_out_cpu)
 
 
-def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *,
+         splits: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a TCA-BME weight ``W [M, K]``; like
-    ``torch.nn.functional.linear``.  Output dtype is ``x.dtype`` (fp32 accumulation)."""
+    ``torch.nn.functional.linear``.  Output dtype is ``x.dtype`` (fp32 accumulation).
+
+    ``splits`` sets the CUDA kernel's split-K factor; by default it is the one
+    :func:`spinfer.tuning.tune_spmm` measured best for this shape and N, or the planner's rule
+    where none was tuned."""
     x2, lead = flatten_input(x, weight, TCABME, weight.values, bias)
+    splits = check_splits(splits)
     m, k = weight.shape
     check_structure(weight.bitmap, weight.values, weight.gtile_offset, weight.geometry)
     if x2.shape[0] == 0:
@@ -74,7 +80,9 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None) -
     if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
         build.load_extension()  # JIT-compiles the SMBD kernel on first use, then cached
     gt_h, gt_w = weight.group_tile
+    if splits is None:
+        splits = tuning.spmm_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
     y = torch.ops.spinfer.spmm(
-        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias
+        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits
     )
     return y.reshape(*lead, m)

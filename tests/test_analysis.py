@@ -148,6 +148,12 @@ def test_bench_front_door(tmp_path, capsys):
     assert bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "2", "--batches", "1,2", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "sparse50" in out and "sparse70" in out and "w4" in out and "lowbit->lowbit" in out
+    assert bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--steps", "2",
+                       "--variants", "dense,sparse50+tuned,w4+tuned"]) == 0
+    assert "sparse50+tuned" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--steps", "2",
+                    "--variants", "dense,fast+tuned"])
     if not torch.cuda.is_available():
         assert bench_main(["lowbit", "--quick"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
     assert bench_main(["compression", "--shape", "12by4"]) == 2

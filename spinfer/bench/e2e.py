@@ -1,6 +1,7 @@
 """Greedy decoding through a stack of Llama-shaped decoder layers, dense fp16 against the same
 stack sparsified (50%, 70%, magnitude; "sparseNN" with policy "auto", "spmmNN" with every
-layer forced to TCA-BME) and quantized to 4-bit g128.
+layer forced to TCA-BME) and quantized to 4-bit g128. A "+tuned" variant ("sparse50+tuned",
+"w4+tuned") first measures each layer's split-K factor at the batch (spinfer.tuning).
 
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
 and SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
@@ -106,6 +107,17 @@ def formats(model, n: int) -> str:
     return ", ".join(f"{v} {k}" for k, v in sorted(c.items())) or "dense nn.Linear"
 
 
+def tune_splits(model, n: int) -> None:
+    """Each wrapped layer's split-K factor at n tokens, measured (spinfer.tuning, in memory)."""
+    for mod in model.modules():
+        if isinstance(mod, SparseLinear) and next(mod.buffers()).device.type == "cuda":
+            w = mod.weight_object()
+            if isinstance(w, spinfer.TCABME):
+                spinfer.tuning.tune_spmm(w, [n], reps=10, save=False)
+            elif isinstance(w, spinfer.LowBitWeight):
+                spinfer.tuning.tune_lowbit(w, [n], reps=10, save=False)
+
+
 def decode_rate(model, batch, hidden, steps, device, graphs: bool) -> float:
     """Tokens per second of `steps` greedy steps (the step's output feeds the next step)."""
     x = torch.randn(batch, 1, hidden, device=device, dtype=torch.float16)
@@ -169,25 +181,28 @@ def main(argv=None) -> int:
         print(f"device {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
     print(f"{a.layers} decoder layers, hidden {hidden}, MLP {inter}, {heads}/{kv} heads, {a.steps} greedy steps, "
           f"{'CUDA graphs' if device.type == 'cuda' and not a.no_graphs else 'eager'}")
-    print(f"{'variant':<9} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
+    print(f"{'variant':<15} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
     torch.manual_seed(0)
     results = {}
     for batch in batches:
         base = Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, batch).to(device, dtype)
         for name in variants:
             model = copy.deepcopy(base) if name != "dense" else base
-            if name.startswith("sparse"):  # policy "auto": the cost model stores each layer
-                spinfer.sparsify(model, int(name[6:]) / 100, method="magnitude", progress=False)
-            elif name.startswith("spmm"):  # every layer TCA-BME, whatever the cost model says
-                spinfer.sparsify(model, int(name[4:]) / 100, method="magnitude", policy="sparse", progress=False)
-            elif name == "w4":
+            kind, tuned = (name[: -len("+tuned")], True) if name.endswith("+tuned") else (name, False)
+            if kind.startswith("sparse"):  # policy "auto": the cost model stores each layer
+                spinfer.sparsify(model, int(kind[6:]) / 100, method="magnitude", progress=False)
+            elif kind.startswith("spmm"):  # every layer TCA-BME, whatever the cost model says
+                spinfer.sparsify(model, int(kind[4:]) / 100, method="magnitude", policy="sparse", progress=False)
+            elif kind == "w4":
                 spinfer.sparsify(model, 0.0, method="magnitude", quant="w4", policy="lowbit", progress=False)
-            elif name != "dense":
+            elif kind != "dense":
                 raise ValueError(f"unknown variant {name!r}")
+            if tuned:
+                tune_splits(model, batch)
             rate = decode_rate(model, batch, hidden, a.steps, device, graphs=not a.no_graphs)
             results[(name, batch)] = rate
             ratio = rate / results[("dense", batch)] if ("dense", batch) in results else float("nan")
-            print(f"{name:<9} {batch:>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
+            print(f"{name:<15} {batch:>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
                   f"{formats(model, batch)}", flush=True)
             if model is not base:
                 del model

@@ -5,7 +5,7 @@ from .ops import lowbit_mm, spmm
 from .nn import SparseLinear, calibrate, load, save
 from .prune import magnitude_prune, sparsify
 from .quant import LowBitWeight
-from . import tuning  # noqa: E402  (spinfer.tuning.tune_spmm / tune_lowbit)
+from . import tuning  # spinfer.tuning.tune_spmm / tune_lowbit
 
 __version__ = "0.1.0"
 

@@ -13,11 +13,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPINFER_CACHE", Path.home() / ".cache" / "spinfer"))
 
 
-def read_entry(name: str, key: str) -> Optional[Any]:
+def read_all(name: str) -> dict:
+    """Every entry of a JSON cache file; empty when it is absent or not a JSON object."""
     try:
-        return json.loads((cache_root() / name).read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
+        data = json.loads((cache_root() / name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_entry(name: str, key: str) -> Optional[Any]:
+    return read_all(name).get(key)
 
 
 def write_entry(name: str, key: str, value: Any) -> None:

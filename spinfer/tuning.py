@@ -17,13 +17,13 @@ the kernel's token tile and tile count at N (the planners' tile rule, mirrored b
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .cache import cache_root, write_entry
+from .cache import cache_root, read_all, write_entry
 
 _FILE = "splits.json"
 SPMM_CANDIDATES = (1, 2, 3, 4, 6, 8, 12)
@@ -33,7 +33,7 @@ LOWBIT_CANDIDATES = (1, 2, 3, 4, 6)
 MIN_GAIN = 0.02
 
 _table: Dict[str, int] = {}
-_loaded_from: Optional[str] = None  # the cache file the table was read from
+_loaded_from: Optional[str] = None  # the $SPINFER_CACHE value the table was read under ("" unset)
 _device_keys: Dict[int, str] = {}
 
 
@@ -75,17 +75,14 @@ def _lowbit_key(device, weight, n: int) -> str:
 
 
 def _table_now() -> Dict[str, int]:
-    """The table, (re)read from the cache folder when that folder changed or on first use."""
+    """The table, read from the cache folder on first use and again when $SPINFER_CACHE changes.
+    Called on every spmm / lowbit_mm call: an environment lookup, no path or file work."""
     global _loaded_from
-    where = str(cache_root() / _FILE)
+    where = os.environ.get("SPINFER_CACHE", "")
     if _loaded_from != where:
         _table.clear()
-        try:
-            data = json.loads((cache_root() / _FILE).read_text())
-            if isinstance(data, dict):
-                _table.update({k: int(v) for k, v in data.items() if isinstance(v, int) and v >= 0})
-        except (OSError, ValueError):
-            pass
+        _table.update({k: v for k, v in read_all(_FILE).items()
+                       if isinstance(v, int) and not isinstance(v, bool) and v >= 0})
         _loaded_from = where
     return _table
 
@@ -164,6 +161,6 @@ def clear(*, saved: bool = False) -> None:
     """Forget the tuned factors of this process (and with ``saved=True`` the cache file's)."""
     global _loaded_from
     _table.clear()
-    _loaded_from = str(cache_root() / _FILE)  # do not re-read the file
+    _loaded_from = os.environ.get("SPINFER_CACHE", "")  # do not re-read the file
     if saved:
         (cache_root() / _FILE).unlink(missing_ok=True)

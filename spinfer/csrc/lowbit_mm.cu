@@ -82,8 +82,10 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   // gives one group per chunk.
   p.ng = group_size == 32 ? 4 : group_size == 64 ? 2 : 1;
   p.blocks_per_sm = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng);
-  int sms = 1;
+  int sms = 1, major = 8;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  p.pdl = use_pdl(major);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
   int splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * p.blocks_per_sm, total_iters);

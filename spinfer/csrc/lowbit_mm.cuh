@@ -29,6 +29,7 @@
 #include <atomic>
 
 #include "epilogue.cuh"
+#include "launch.cuh"
 #include "lowbit_mm.h"
 #include "ptx.cuh"
 
@@ -305,14 +306,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
                       (static_cast<int64_t>(n0 + x_row) * args.kp + it_begin * L::kCols + (tid % kXPieces) * 8) * 2;
   const int64_t x_step = static_cast<int64_t>(kXRowStep) * args.kp * 2;  // bytes between a thread's x rows
 
-  // issue(st) fills the stage buffer at shared address st with the next stage: stages are
-  // issued in order, so the sources are cursors that advance by one stage per call rather
-  // than addresses recomputed from the stage number (SASS: a third of the ~55 instructions
-  // that every thread spent per stage on copies was that arithmetic).
+  // issue_w(st) and issue_x(st) fill the stage buffer at shared address st with the next
+  // stage's weights and scales, and its activations: separate, so the first stages' weights
+  // can be requested before griddep_wait (launch.cuh). Stages are issued in order, so the
+  // sources are cursors that advance by one stage per call rather than addresses recomputed
+  // from the stage number (SASS: a third of the ~55 instructions that every thread spent per
+  // stage on copies was that arithmetic).
   const unsigned char* w_next = w_src;
   const char* x_next = x_src;
   int col_next = it_begin * L::kCols;  // first column of the next stage
-  auto issue = [&](const uint32_t st) {
+  auto issue_w = [&](const uint32_t st) {
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
 #pragma unroll
     for (int i = 0; i < kWCopies; ++i) {
@@ -331,6 +334,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
       ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
     }
     col_next += L::kCols;
+  };
+  auto issue_x = [&](const uint32_t st) {
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
       if (x_row + i * kXRowStep >= valid_rows) break;  // rows past N stay zero
@@ -501,9 +506,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   const uint32_t smem_base = ptx::smem_addr(smem);
   int rd = 0, wr = 0;
   auto next = [](int off) { return off + L::kStageBytes == L::kSmemBytes ? 0 : off + L::kStageBytes; };
+  // The first stages' weights go out before the wait for the previous kernel (programmatic
+  // dependent launch), their activations after it; stage st's copies all belong to commit
+  // group st or an earlier one, so the waits below are unchanged.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st)
+    if (st < iters) issue_w(smem_base + st * L::kStageBytes);
+  ptx::griddep_wait();
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < iters) issue(smem_base + wr);
+    if (st < iters) issue_x(smem_base + wr);
     ptx::cp_async_commit_group();
     wr = next(wr);
   }
@@ -512,11 +524,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
     // Stage i is visible to all threads, and all threads are done with stage i-1, whose
     // buffer the prefetch below overwrites.
     __syncthreads();
-    if (i + kStages - 1 < iters) issue(smem_base + wr);
+    if (i + kStages - 1 < iters) issue_w(smem_base + wr), issue_x(smem_base + wr);
     ptx::cp_async_commit_group();
     compute(rd);
     rd = next(rd), wr = next(wr);
   }
+  ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
   ptx::cp_async_wait_group<0>();
   // The second group's accumulators join the first's through the (now idle) stage buffers.
   static_assert(kThreads / 2 * BN / 2 * 4 <= L::kSmemBytes, "room for one group's accumulators");
@@ -551,8 +564,8 @@ struct Launcher {
     const int total_iters = (plan.chunks + U - 1) / U;
     const int iters_per_split = (total_iters + plan.splits - 1) / plan.splits;
     const dim3 grid(plan.n_tiles, plan.row_blocks, plan.splits);
-    kernel<<<grid, kThreads, kSmem, stream>>>(args, plan.chunks, iters_per_split, plan.splits);
-    return cudaGetLastError();
+    return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, args, plan.chunks, iters_per_split,
+                         plan.splits);
   }
   // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).
   static cudaError_t allow_smem() {

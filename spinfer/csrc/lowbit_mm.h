@@ -35,6 +35,7 @@ struct LowbitPlan {
   int blocks_per_sm;  // resident blocks of this variant (occupancy API)
   int64_t workspace_floats;
   int counters;
+  bool pdl;        // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
 };
 
 // splits > 0: that split-K factor (capped at the stages), as tuned by spinfer.tuning; 0: the

@@ -169,6 +169,25 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t par
   }
 }
 
+// ---- sm_90: programmatic dependent launch. A kernel launched with programmatic stream
+// serialization may start while the previous kernel in the stream still runs; griddep_wait()
+// returns once that kernel has completed and its writes are visible, so everything before it
+// may read only what no earlier kernel writes (weights), and every global write and every read
+// of activations comes after it. Both are no-ops in a kernel launched without the attribute.
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the next kernel in the stream, if launched with the attribute, start its own prologue.
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // D = A * B + D, m16n8k16, A row-major 16x16 (4 regs), B column-major 16x8 (2 regs), fp32 acc.
 // Not volatile: the mma touches only registers, so the compiler may schedule shared loads and
 // dequantization of the next tile across it (volatile asm statements keep their order).

@@ -67,6 +67,7 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, int split
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const char* loader = std::getenv("SPINFER_LOADER");
   p.bulk = major >= 9 && !(loader && std::strcmp(loader, "cp_async") == 0);
+  p.pdl = use_pdl(major);
   // Decode variant, by same-process A/B on H100: the lean decode (prefix published as a shared
   // address, clamped once per GroupTile) is 4-11% faster at BN <= 16 and 3-10% slower at BN = 32
   // than the per-word clamped one. SPINFER_DECODE=lean|safe overrides.

@@ -22,6 +22,7 @@
 #include <cuda_fp16.h>
 
 #include "epilogue.cuh"
+#include "launch.cuh"
 #include "ptx.cuh"
 #include "spmm_smbd.h"
 
@@ -292,7 +293,19 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
     }
     __syncthreads();
 
-    auto issue_bulk = [&](int stage, int p) {  // the producer warp
+    // The producer warp. with_x = false leaves the x rows to issue_x_bulk: the first stages'
+    // weights go out before griddep_wait (launch.cuh), their x rows after it. The stage's byte
+    // count includes the x rows either way, so its phase completes only once they land.
+    auto issue_x_bulk = [&](int stage, int p) {
+      unsigned char* st = smem + stage * lay.stage_bytes;
+      const int gts = min(kPair, b.nk - kPair * p);
+      const int k0 = (b.g_begin + kPair * p) * kGt;
+      for (int row = lane; row < b.valid_rows; row += 32)
+        ptx::cp_async_bulk_g2s(st + lay.x_offset + row * kXStride * 2,
+                               static_cast<const char*>(args.x) + (int64_t(b.n0 + row) * args.kp + k0) * 2,
+                               gts * kGt * 2, &s_full[stage]);
+    };
+    auto issue_bulk = [&](int stage, int p, bool with_x) {
       unsigned char* st = smem + stage * lay.stage_bytes;
       const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
       if (lane == 0) {
@@ -307,11 +320,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
                                  &s_full[stage]);
       }
       __syncwarp();  // the byte count is posted before any x copy can complete
-      const int k0 = (b.g_begin + kPair * p) * kGt;
-      for (int row = lane; row < b.valid_rows; row += 32)
-        ptx::cp_async_bulk_g2s(st + lay.x_offset + row * kXStride * 2,
-                               static_cast<const char*>(args.x) + (int64_t(b.n0 + row) * args.kp + k0) * 2,
-                               r.gts * kGt * 2, &s_full[stage]);
+      if (with_x) issue_x_bulk(stage, p);
     };
 
     auto issue_cp_async = [&](int stage, int p) {  // all threads
@@ -360,15 +369,18 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
     // refills the stage consumed at step p-1.
     const bool producer = kBulk && warp == kWarps;
     if constexpr (kBulk) {
-      if (producer)
-        for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st);
+      if (producer) {
+        for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st, false);
+        ptx::griddep_wait();  // x is the previous kernel's output
+        for (int st = 0; st < S - 1 && st < np; ++st) issue_x_bulk(st, st);
+      }
       int cs = 0, ps = S - 1;
       uint32_t parity = 0;
       for (int p = 0; p < np; ++p) {
         __syncthreads();  // all warps are done with stage ps, which the prefetch overwrites
         const int pf = p + S - 1;
         if (producer) {
-          if (pf < np) issue_bulk(ps, pf);
+          if (pf < np) issue_bulk(ps, pf, true);
         } else {
           ptx::mbarrier_wait_parity(&s_full[cs], parity);
           compute(cs, p);
@@ -379,6 +391,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
     } else {
       // A group is committed every step (empty near the end) so wait_group's count stays
       // uniform: S-2 younger groups may still be in flight when stage p must be complete.
+      ptx::griddep_wait();  // this loader issues x with the weights
       for (int st = 0; st < S - 1; ++st) {
         if (st < np) issue_cp_async(st, st);
         ptx::cp_async_commit_group();
@@ -398,6 +411,8 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
       }
       ptx::cp_async_wait_group<0>();
     }
+    ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
+    ptx::griddep_wait();  // (the decoding warps) no global write before the previous kernel is done
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
     constexpr bool kVectorSum = kMinBlocks<BN, kBulk> == 0;  // see store_tile
     store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, b.split, splits, acc,
@@ -421,8 +436,8 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(plan.n_tiles, plan.grid_m, plan.splits);
-  kernel<<<grid, plan.bulk ? kThreads<true> : kThreads<false>, plan.smem_bytes, stream>>>(args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, plan.bulk ? kThreads<true> : kThreads<false>, plan.smem_bytes, stream, plan.pdl,
+                       args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages);
 }
 
 #define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64)

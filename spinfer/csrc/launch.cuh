@@ -1,0 +1,41 @@
+// Kernel launches shared by the tensor-core kernels: with programmatic dependent launch on
+// sm_90, so a launch's prologue (block setup, the first stages' weight copies) overlaps the end
+// of the kernel before it in the stream, in eager streams and in captured CUDA graphs alike.
+// The kernels call ptx::griddep_wait() before their first read of x and their first global
+// write (ptx.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+namespace spinfer {
+
+// Whether launches on a device of this compute capability use programmatic dependent launch;
+// SPINFER_PDL=0 turns it off (A/B runs, tests).
+inline bool use_pdl(int major) {
+  const char* env = std::getenv("SPINFER_PDL");
+  return major >= 9 && !(env && env[0] == '0');
+}
+
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+                          Args... args) {
+  if (!pdl) {
+    kernel<<<grid, threads, smem, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+}  // namespace spinfer

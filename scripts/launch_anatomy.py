@@ -72,6 +72,8 @@ def main():
     p.add_argument("--ns", default="1,16")
     p.add_argument("--layers", type=int, default=8, help="layers in the back-to-back graph")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("launch_anatomy.py times CUDA kernels: it needs a GPU")
     spinfer.build.load_extension()
     dev = torch.device("cuda")
     ks = [] if a.ks == "none" else [int(v) for v in a.ks.split(",")]

@@ -154,6 +154,10 @@ def test_bench_front_door(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown variant"):
         bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--steps", "2",
                     "--variants", "dense,fast+tuned"])
+    assert bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--steps", "2",
+                       "--variants", "dense,sparse50,w4", "--fused"]) == 0
+    out = capsys.readouterr().out
+    assert "fused qkv and gate_up" in out and "w4" in out
     if not torch.cuda.is_available():
         assert bench_main(["lowbit", "--quick"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
     assert bench_main(["compression", "--shape", "12by4"]) == 2
@@ -170,3 +174,26 @@ def test_lowbit_summary_covers_only_the_issue_shapes(capsys):
     print_summary([row(m, k, 2.0) for m, k in SHAPES] + [row(1024, 4096, 0.5)])
     out = capsys.readouterr().out
     assert "4-bit g128  N=1    geomean  2.00x  (min 2.00x" in out
+
+
+def test_e2e_fused_layer_equals_the_unfused_one():
+    """The fused decoder layer (one qkv and one gate_up projection) computes what the unfused one
+    does when its weights are the concatenations, over several decode steps of the KV cache."""
+    from spinfer.bench.e2e import DecoderLayer
+
+    torch.manual_seed(0)
+    hidden, inter, heads, kv, max_len, batch = 64, 96, 8, 2, 6, 3
+    plain = DecoderLayer(hidden, inter, heads, kv, max_len, batch).double()
+    fused = DecoderLayer(hidden, inter, heads, kv, max_len, batch, fused=True).double()
+    with torch.no_grad():
+        fused.qkv_proj.weight.copy_(torch.cat([plain.q_proj.weight, plain.k_proj.weight, plain.v_proj.weight]))
+        fused.gate_up_proj.weight.copy_(torch.cat([plain.gate_proj.weight, plain.up_proj.weight]))
+        fused.o_proj.weight.copy_(plain.o_proj.weight)
+        fused.down_proj.weight.copy_(plain.down_proj.weight)
+        for step in range(4):
+            pos = torch.tensor([step])
+            mask = (torch.arange(max_len) <= step).view(1, 1, 1, -1)
+            x = torch.randn(batch, 1, hidden, dtype=torch.float64)
+            torch.testing.assert_close(fused(x, pos, mask), plain(x, pos, mask))
+    linears = [sum(isinstance(m, torch.nn.Linear) for m in layer.modules()) for layer in (plain, fused)]
+    assert linears == [7, 4]

@@ -33,6 +33,24 @@
 #include "lowbit_mm.h"
 #include "ptx.cuh"
 
+// Per-block timestamps for scripts/timeline_lowbit.cu, compiled in only there: block entry,
+// first stage ready, main loop done, output stored (%globaltimer, ns), and the SM.
+#ifdef SPINFER_TIMELINE
+__device__ unsigned long long spinfer_timeline[1 << 16][5];
+#define SPINFER_MARK(slot)                                                                              \
+  do {                                                                                                  \
+    if (threadIdx.x == 0) {                                                                             \
+      unsigned long long t_;                                                                            \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                            \
+      spinfer_timeline[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x][slot] = t_;      \
+    }                                                                                                   \
+  } while (0)
+#else
+#define SPINFER_MARK(slot) \
+  do {                     \
+  } while (0)
+#endif
+
 namespace spinfer {
 namespace lowbit {
 
@@ -251,6 +269,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   constexpr int kRowBytes = U * kChunk * BITS / 8;  // a weight row's bytes per stage
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_is_last;
+  SPINFER_MARK(0);
 
   const int tid = threadIdx.x, warp = tid / 32 % kWarps, lane = tid % 32;
   const int group = tid / (32 * kWarps);  // the warp group: which half of each stage it takes
@@ -524,11 +543,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
     // Stage i is visible to all threads, and all threads are done with stage i-1, whose
     // buffer the prefetch below overwrites.
     __syncthreads();
+    if (i == 0) SPINFER_MARK(1);
     if (i + kStages - 1 < iters) issue_w(smem_base + wr), issue_x(smem_base + wr);
     ptx::cp_async_commit_group();
     compute(rd);
     rd = next(rd), wr = next(wr);
   }
+  SPINFER_MARK(2);
   ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
   ptx::cp_async_wait_group<0>();
   // The second group's accumulators join the first's through the (now idle) stage buffers.
@@ -550,6 +571,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
   store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, my_row, n0, split, splits, acc, lane, tid, &s_is_last,
                                               group == 0);
+#ifdef SPINFER_TIMELINE
+  if (threadIdx.x == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    spinfer_timeline[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x][4] = smid;
+  }
+#endif
+  SPINFER_MARK(3);
 }
 
 // Host side of one (dtype, bits) pair: the BN and NG variants, instantiated in

@@ -1,0 +1,137 @@
+// Where a fused low-bit launch spends the time that does not scale with K: per-block timestamps
+// (%globaltimer) at block entry, first stage ready, main loop done and output stored, for one
+// 4-bit g128 layer at N = 1, L2 flushed before every launch. The kernel is the library's
+// (lowbit_mm.cuh) compiled with SPINFER_TIMELINE, launched unsplit without PDL.
+//
+//   nvcc -std=c++17 -O3 -DSPINFER_TIMELINE -Ispinfer/csrc -gencode=arch=compute_90a,code=sm_90a \
+//        scripts/timeline_lowbit.cu -o /tmp/timeline_lowbit && /tmp/timeline_lowbit [M] [K,K,...] [reps]
+//
+// Printed per K (medians over the launches, µs): the launch's event time; when blocks start after
+// the first one (median / last); how long a block waits for its first stage; its main loop; its
+// epilogue; when blocks end (10th / 50th / 90th percentile / last), all from the first block's
+// start; and the event time not covered by first start .. last end. Then, for the last launch,
+// when the blocks end by how many blocks their SM held (the block scheduler gives each SM the
+// blocks it gives, and the layer ends with its busiest SM).
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "lowbit_mm.cuh"
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+__global__ void read_flush(const int4* buf, size_t n, int* sink) {  // evicts L2 by reading
+  int4 acc = {0, 0, 0, 0};
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const int4 v = buf[i];
+    acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x7fffffff) *sink = 1;
+}
+
+static double pct(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+int main(int argc, char** argv) {
+  using namespace spinfer;
+  const int m = argc > 1 ? std::atoi(argv[1]) : 14336;
+  std::vector<int> ks;
+  for (std::string list = argc > 2 ? argv[2] : "1024,4096,16384"; !list.empty();) {
+    const size_t c = list.find(',');
+    ks.push_back(std::atoi(list.substr(0, c).c_str()));
+    list = c == std::string::npos ? "" : list.substr(c + 1);
+  }
+  const int reps = argc > 3 ? std::atoi(argv[3]) : 20;
+  if (m % 64 || m / 64 > (1 << 16)) return std::fprintf(stderr, "M must be a multiple of 64, at most 2^22\n"), 2;
+
+  const size_t flush_bytes = size_t(512) << 20;
+  int4* flush;
+  int* sink;
+  CHECK(cudaMalloc(&flush, flush_bytes));
+  CHECK(cudaMemset(flush, 1, flush_bytes));
+  CHECK(cudaMalloc(&sink, 4));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::printf("M=%d, 4-bit g128, N=1, unsplit, no PDL, L2 flushed; medians of %d launches (us)\n", m, reps);
+  std::printf("%6s %7s | %14s | %6s %7s %6s | %27s | %8s\n", "K", "event", "starts p50/max", "first", "loop",
+              "epil.", "ends p10/p50/p90/max", "uncovered");
+  for (const int k : ks) {
+    if (k % 256) return std::fprintf(stderr, "K must be a multiple of 256\n"), 2;
+    const int groups = k / 128;
+    void *qw, *sz, *x, *y;
+    CHECK(cudaMalloc(&qw, size_t(m) * k / 2));
+    CHECK(cudaMemset(qw, 0x37, size_t(m) * k / 2));
+    CHECK(cudaMalloc(&sz, size_t(m) * groups * 4));
+    std::vector<uint32_t> pairs(size_t(m) * groups, 0x4800211fu);  // (scale 0.01, zero 8) as halves
+    CHECK(cudaMemcpy(sz, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&x, size_t(k) * 2));
+    std::vector<uint16_t> ones(k, 0x3c00);
+    CHECK(cudaMemcpy(x, ones.data(), size_t(k) * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&y, size_t(m) * 2));
+
+    LowbitArgs a{};
+    a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
+    a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
+    LowbitPlan p{};
+    p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.splits = 1, p.ng = 1, p.pdl = false;
+    const int blocks = p.row_blocks;
+    using Kernel = lowbit::Launcher<false, 4, 8, 1>;
+
+    std::vector<double> ev, s50, smax, first, loop, epil, e10, e50, e90, emax, unc;
+    std::map<int, std::vector<double>> by_load;  // blocks on the SM -> their end times (last launch)
+    for (int r = -3; r < reps; ++r) {
+      read_flush<<<264, 512>>>(flush, flush_bytes / 16, sink);
+      CHECK(cudaEventRecord(e0));
+      CHECK(Kernel::launch(a, p, 0));
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      if (r < 0) continue;  // warm-up
+      float ms;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      std::vector<unsigned long long> t(size_t(blocks) * 5);
+      CHECK(cudaMemcpyFromSymbol(t.data(), spinfer_timeline, t.size() * 8));
+      unsigned long long t0 = ~0ull, tend = 0;
+      for (int b = 0; b < blocks; ++b) t0 = std::min(t0, t[b * 5]), tend = std::max(tend, t[b * 5 + 3]);
+      std::vector<double> st, fi, lo, ep, en;
+      for (int b = 0; b < blocks; ++b) {
+        const unsigned long long* q = &t[b * 5];
+        st.push_back((q[0] - t0) * 1e-3), fi.push_back((q[1] - q[0]) * 1e-3);
+        lo.push_back((q[2] - q[1]) * 1e-3), ep.push_back((q[3] - q[2]) * 1e-3), en.push_back((q[3] - t0) * 1e-3);
+      }
+      ev.push_back(ms * 1e3), s50.push_back(pct(st, 0.5)), smax.push_back(pct(st, 1.0));
+      first.push_back(pct(fi, 0.5)), loop.push_back(pct(lo, 0.5)), epil.push_back(pct(ep, 0.5));
+      e10.push_back(pct(en, 0.1)), e50.push_back(pct(en, 0.5)), e90.push_back(pct(en, 0.9)), emax.push_back(pct(en, 1.0));
+      unc.push_back(ms * 1e3 - (tend - t0) * 1e-3);
+      std::map<unsigned long long, int> per_sm;
+      for (int b = 0; b < blocks; ++b) ++per_sm[t[b * 5 + 4]];
+      by_load.clear();
+      for (int b = 0; b < blocks; ++b) by_load[per_sm[t[b * 5 + 4]]].push_back(en[b]);
+    }
+    std::printf("%6d %7.1f | %6.2f / %5.2f | %6.2f %7.2f %6.2f | %5.1f / %5.1f / %5.1f / %5.1f | %8.2f\n", k,
+                pct(ev, 0.5), pct(s50, 0.5), pct(smax, 0.5), pct(first, 0.5), pct(loop, 0.5), pct(epil, 0.5),
+                pct(e10, 0.5), pct(e50, 0.5), pct(e90, 0.5), pct(emax, 0.5), pct(unc, 0.5));
+    for (const auto& [load, ends] : by_load)
+      std::printf("        blocks on SMs holding %d: %4zu, end p50 %5.1f, max %5.1f\n", load, ends.size(), pct(ends, 0.5),
+                  pct(ends, 1.0));
+    CHECK(cudaFree(qw));
+    CHECK(cudaFree(sz));
+    CHECK(cudaFree(x));
+    CHECK(cudaFree(y));
+  }
+  return 0;
+}

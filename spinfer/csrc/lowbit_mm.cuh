@@ -37,14 +37,17 @@
 // first stage ready, main loop done, output stored (%globaltimer, ns), and the SM.
 #ifdef SPINFER_TIMELINE
 __device__ unsigned long long spinfer_timeline[1 << 16][5];
-#define SPINFER_MARK(slot)                                                                              \
-  do {                                                                                                  \
-    if (threadIdx.x == 0) {                                                                             \
-      unsigned long long t_;                                                                            \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                            \
-      spinfer_timeline[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x][slot] = t_;      \
-    }                                                                                                   \
+#define SPINFER_STAMP(slot, value)                                                                    \
+  do {                                                                                                \
+    if (threadIdx.x == 0)                                                                             \
+      spinfer_timeline[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x][slot] = (value); \
   } while (0)
+__device__ __forceinline__ unsigned long long timeline_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define SPINFER_MARK(slot) SPINFER_STAMP(slot, timeline_now())
 #else
 #define SPINFER_MARK(slot) \
   do {                     \
@@ -571,14 +574,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
   store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, my_row, n0, split, splits, acc, lane, tid, &s_is_last,
                                               group == 0);
-#ifdef SPINFER_TIMELINE
-  if (threadIdx.x == 0) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    spinfer_timeline[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x][4] = smid;
-  }
-#endif
   SPINFER_MARK(3);
+#ifdef SPINFER_TIMELINE
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  SPINFER_STAMP(4, smid);
+#endif
 }
 
 // Host side of one (dtype, bits) pair: the BN and NG variants, instantiated in

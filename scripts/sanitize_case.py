@@ -2,7 +2,7 @@
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
 variants, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
-width, both zero-point paths."""
+width, both zero-point paths, and the balanced schedule (splits -1: ranges across row blocks)."""
 
 import os
 
@@ -30,7 +30,8 @@ from spinfer.quant import LowBitWeight  # noqa: E402
 
 for bits in (1, 2, 4, 8):
     for m, k, group, n, splits in [(333, 1000, None, 1, "1"), (70, 1280, 64, 16, "3"), (130, 1152, 32, 33, "2"),
-                                   (64, 256, 128, 8, "1"), (70, 1792, 64, 5, "2")]:
+                                   (64, 256, 128, 8, "1"), (70, 1792, 64, 5, "2"), (333, 1000, None, 9, "-1"),
+                                   (1000, 512, 64, 1, "-1")]:
         os.environ["SPINFER_LOWBIT_SPLITS"] = splits
         os.environ["SPINFER_LOWBIT_XSUM"] = "1" if n % 2 else "0"  # both zero-point paths
         for dt in (torch.float16, torch.bfloat16):

@@ -4,7 +4,10 @@
 // (lowbit_mm.cuh) compiled with SPINFER_TIMELINE, launched unsplit without PDL.
 //
 //   nvcc -std=c++17 -O3 -DSPINFER_TIMELINE -Ispinfer/csrc -gencode=arch=compute_90a,code=sm_90a \
-//        scripts/timeline_lowbit.cu -o /tmp/timeline_lowbit && /tmp/timeline_lowbit [M] [K,K,...] [reps]
+//        scripts/timeline_lowbit.cu -o /tmp/timeline_lowbit && /tmp/timeline_lowbit [M] [K,K,...] [reps] [balanced]
+//
+// `balanced` launches the balanced schedule (SMs x 2 blocks, ranges across row blocks) instead
+// of one block per row block.
 //
 // Printed per K (medians over the launches, µs): the launch's event time; when blocks start after
 // the first one (median / last); how long a block waits for its first stage; its main loop; its
@@ -56,6 +59,9 @@ int main(int argc, char** argv) {
     list = c == std::string::npos ? "" : list.substr(c + 1);
   }
   const int reps = argc > 3 ? std::atoi(argv[3]) : 20;
+  const bool balanced = argc > 4 && std::string(argv[4]) == "balanced";
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   if (m % 64 || m / 64 > (1 << 16)) return std::fprintf(stderr, "M must be a multiple of 64, at most 2^22\n"), 2;
 
   const size_t flush_bytes = size_t(512) << 20;
@@ -67,7 +73,8 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  std::printf("M=%d, 4-bit g128, N=1, unsplit, no PDL, L2 flushed; medians of %d launches (us)\n", m, reps);
+  std::printf("M=%d, 4-bit g128, N=1, %s, no PDL, L2 flushed; medians of %d launches (us)\n", m,
+              balanced ? "balanced schedule" : "unsplit", reps);
   std::printf("%6s %7s | %14s | %6s %7s %6s | %27s | %8s\n", "K", "event", "starts p50/max", "first", "loop",
               "epil.", "ends p10/p50/p90/max", "uncovered");
   for (const int k : ks) {
@@ -88,16 +95,29 @@ int main(int argc, char** argv) {
     a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
     a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
     LowbitPlan p{};
-    p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.splits = 1, p.ng = 1, p.pdl = false;
-    const int blocks = p.row_blocks;
-    using Kernel = lowbit::Launcher<false, 4, 8, 1>;
+    p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
+    p.grid_blocks = balanced ? std::min(sms * lowbit::kBalancedPerSM, p.row_blocks * (k / 256)) : p.row_blocks;
+    p.splits = balanced ? std::min(p.grid_blocks, p.grid_blocks / p.row_blocks + 2) : 1;
+    const int blocks = p.grid_blocks;
+    float* workspace = nullptr;
+    int* counters = nullptr;
+    if (p.splits > 1) {
+      CHECK(cudaMalloc(&workspace, size_t(p.splits) * p.row_blocks * 8 * 64 * 4));
+      CHECK(cudaMalloc(&counters, size_t(p.row_blocks) * 4));
+      CHECK(cudaMemset(counters, 0, size_t(p.row_blocks) * 4));
+    }
+    a.workspace = workspace, a.counters = counters;
+    auto launch = [&] {
+      return balanced ? lowbit::Launcher<false, 4, 8, 1, true>::launch(a, p, 0)
+                      : lowbit::Launcher<false, 4, 8, 1, false>::launch(a, p, 0);
+    };
 
     std::vector<double> ev, s50, smax, first, loop, epil, e10, e50, e90, emax, unc;
     std::map<int, std::vector<double>> by_load;  // blocks on the SM -> their end times (last launch)
     for (int r = -3; r < reps; ++r) {
       read_flush<<<264, 512>>>(flush, flush_bytes / 16, sink);
       CHECK(cudaEventRecord(e0));
-      CHECK(Kernel::launch(a, p, 0));
+      CHECK(launch());
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
       if (r < 0) continue;  // warm-up
@@ -132,6 +152,10 @@ int main(int argc, char** argv) {
     CHECK(cudaFree(sz));
     CHECK(cudaFree(x));
     CHECK(cudaFree(y));
+    if (workspace) {
+      CHECK(cudaFree(workspace));
+      CHECK(cudaFree(counters));
+    }
   }
   return 0;
 }

@@ -27,7 +27,7 @@ from .cache import cache_root, read_all, write_entry
 
 _FILE = "splits.json"
 SPMM_CANDIDATES = (1, 2, 3, 4, 6, 8, 12)
-LOWBIT_CANDIDATES = (1, 2, 3, 4, 6)
+LOWBIT_CANDIDATES = (-1, 1, 2, 3, 4, 6)  # -1: the low-bit kernel's balanced schedule
 # A factor is kept only if it beats the planner's own choice by this much: closer than that,
 # the difference is within run-to-run noise and the planner's rule stays in charge.
 MIN_GAIN = 0.02
@@ -82,7 +82,7 @@ def _table_now() -> Dict[str, int]:
     if _loaded_from != where:
         _table.clear()
         _table.update({k: v for k, v in read_all(_FILE).items()
-                       if isinstance(v, int) and not isinstance(v, bool) and v >= 0})
+                       if isinstance(v, int) and not isinstance(v, bool) and v >= (-1 if "|lowbit" in k else 0)})
         _loaded_from = where
     return _table
 
@@ -94,7 +94,8 @@ def spmm_splits(weight, n: int, device: torch.device) -> int:
 
 
 def lowbit_splits(weight, n: int, device: torch.device) -> int:
-    """The tuned split-K factor for ``spinfer.lowbit_mm(x, weight)`` with N tokens, 0 if none."""
+    """The tuned schedule for ``spinfer.lowbit_mm(x, weight)`` with N tokens: a split-K factor,
+    -1 for the balanced schedule, 0 if none."""
     table = _table_now()
     return table.get(_lowbit_key(device, weight, n), 0) if table else 0
 

@@ -88,6 +88,41 @@ def test_forced_token_tile_with_split_k_and_bias(bn, dtype, monkeypatch):
             assert rel_err(fused(x, q, b), reference(x, q, b)) <= TOL[dtype], f"splits={splits} N={n}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_balanced_schedule_ranges_across_row_blocks(bits, dtype, monkeypatch):
+    """The balanced schedule (SMs x 2 blocks, each an equal run of the layer's (row block,
+    stage) units, lowbit_mm.cuh Schedule): ranges start and end inside row blocks and cross
+    them, and a tile shared by several blocks is summed by the last to arrive. M=4097 with K=1000
+    gives 65 row blocks of 4 stages (8 at 8 bits), so blocks hold one or two stages and every
+    tile has several; M=300 with K=4096 puts several blocks in every row; M=20000 with
+    K=512 gives blocks of two to five rows' worth. Odd N, two token tiles (N=33), bias, every
+    element written, deterministic, and splits=-1 asks for the same schedule."""
+    monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", "-1")
+    for m, k, group in ((4097, 1000, None), (300, 4096, 128), (20000, 512, 64)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
+        b = torch.randn(m, device="cuda").to(dtype)
+        for n in (1, 7, 16, 33):
+            x = torch.randn(n, k, device="cuda").to(dtype)
+            y = fused(x, q, b)
+            assert rel_err(y, reference(x, q, b)) <= TOL[dtype], f"M={m} K={k} N={n}"
+            assert torch.equal(y, fused(x, q, b)), "the sum of shared tiles is deterministic"
+            monkeypatch.delenv("SPINFER_LOWBIT_SPLITS")
+            assert torch.equal(y, spinfer.lowbit_mm(x, q, b, splits=-1))
+            monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", "-1")
+
+
+def test_planner_picks_balanced_or_split_schedules_exactly():
+    """The planner's own choice on layers with more row blocks than the balanced schedule has
+    blocks (M = 28672: balanced at N <= 16 on an H100) and fewer (split-K or one block per row
+    block), against the reference."""
+    for m, k in ((28672, 512), (24000, 768), (3000, 2048)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), 4, 128)
+        for n in (1, 8, 16, 32):
+            x = torch.randn(n, k, device="cuda").half()
+            assert rel_err(fused(x, q), reference(x, q)) <= 2e-3, f"M={m} N={n}"
+
+
 def test_split_counters_shared_across_calls_and_streams(monkeypatch):
     """Split launches share one arrival-counter buffer per stream that each launch leaves zero:
     split factors and tile counts changing back to back, queued without a sync, on the default
@@ -97,7 +132,7 @@ def test_split_counters_shared_across_calls_and_streams(monkeypatch):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     runs = []
-    for splits in ["2", "7", "3", "5"]:
+    for splits in ["2", "7", "-1", "3", "5"]:
         monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
         for q in qs:
             for x in xs:

@@ -46,9 +46,10 @@ def capture(fn):
     return g, out, zeroing
 
 
-def test_captured_split_launches_zero_nothing_after_an_eager_one(monkeypatch):
+@pytest.mark.parametrize("lowbit_splits", ["2", "-1"])  # -1: the low-bit balanced schedule
+def test_captured_split_launches_zero_nothing_after_an_eager_one(lowbit_splits, monkeypatch):
     monkeypatch.setenv("SPINFER_SPLITS", "4")
-    monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", "2")
+    monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", lowbit_splits)
     w = random_sparse((500, 1024), 0.5, torch.float16, device="cuda")
     enc = TCABME.from_dense(w)
     q = LowBitWeight.quantize(torch.randn(700, 1024, device="cuda").half(), 4, 128)

@@ -39,11 +39,12 @@ def test_splits_argument_is_checked_and_ignored_on_cpu():
     q = LowBitWeight.quantize(torch.randn(70, 256).half(), 4, 128)
     x = torch.randn(3, 130).half()
     xq = torch.randn(3, 256).half()
-    for op, wt, xx in ((spinfer.spmm, enc, x), (spinfer.lowbit_mm, q, xq)):
+    for op, wt, xx, lowest in ((spinfer.spmm, enc, x, 0), (spinfer.lowbit_mm, q, xq, -1)):
         assert torch.equal(op(xx, wt, splits=5), op(xx, wt))
         assert torch.equal(op(xx, wt, splits=0), op(xx, wt))
-        with pytest.raises(ValueError, match="splits must be >= 0"):
-            op(xx, wt, splits=-1)
+        assert torch.equal(op(xx, wt, splits=lowest), op(xx, wt))  # -1: lowbit_mm's balanced schedule
+        with pytest.raises(ValueError, match=f"splits must be >= {lowest}"):
+            op(xx, wt, splits=lowest - 1)
         with pytest.raises(TypeError, match="splits must be an int"):
             op(xx, wt, splits=2.0)
         with pytest.raises(TypeError, match="splits must be an int"):
@@ -84,8 +85,14 @@ def test_corrupt_or_foreign_table_is_ignored(table, monkeypatch):
     (table / "splits.json").write_text("{not json")
     assert tuning.spmm_splits(enc, 1, torch.device("cuda", 0)) == 0
     tuning._loaded_from = None
-    (table / "splits.json").write_text(json.dumps({key: -4, "x": "y"}))
-    assert tuning.spmm_splits(enc, 1, torch.device("cuda", 0)) == 0
+    (table / "splits.json").write_text(json.dumps({key: -1, "x": "y"}))
+    assert tuning.spmm_splits(enc, 1, torch.device("cuda", 0)) == 0  # -1 is low-bit only
+    q = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 128)
+    qkey = tuning._lowbit_key(torch.device("cuda", 0), q, 1)
+    tuning._loaded_from = None
+    (table / "splits.json").write_text(json.dumps({qkey: -1, tuning._lowbit_key(torch.device("cuda", 0), q, 9): -2}))
+    assert tuning.lowbit_splits(q, 1, torch.device("cuda", 0)) == -1  # the balanced schedule
+    assert tuning.lowbit_splits(q, 9, torch.device("cuda", 0)) == 0
 
 
 def test_tuners_need_cuda_weights():

@@ -207,7 +207,8 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
                         const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t splits,
                         at::Tensor& out) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::lowbit_mm_out (CUDA) got x on ", x.device());
-  TORCH_CHECK_VALUE(splits >= 0, "splits must be >= 0 (0: the planner's choice), got ", splits);
+  TORCH_CHECK_VALUE(splits >= -1, "splits must be >= -1 (0: the planner's choice, -1: the balanced schedule), got ",
+                    splits);
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(m >= 1 && k >= 1 && group_size >= 1 && k % group_size == 0,
                     "bad low-bit geometry: m=", m, " k=", k, " group_size=", group_size);
@@ -240,6 +241,9 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
                      x.scalar_type());
   }
   TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && kp <= INT32_MAX, "shape too large");
+  // One block row per 64 output rows, at most 65535 of them (the grid's y dimension).
+  TORCH_CHECK_VALUE(m <= int64_t(65535) * 64, "the low-bit kernel takes at most ", int64_t(65535) * 64,
+                    " output rows, got ", m);
   const int64_t n = x.size(0);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());

@@ -1,8 +1,9 @@
 // The epilogue shared by the tensor-core kernels: fp32 accumulators of m16n8k16 tiles to the
 // [N, M] output, with bias and the cast, or a deterministic split-K reduction.
 //
-// Grid convention of every caller: blockIdx.x = token tile (BN wide), blockIdx.y = block of
-// kBlockRows output rows, blockIdx.z = split along K.
+// A tile is kBlockRows output rows x BN tokens; the callers number tiles row block major
+// (row_block * token_tiles + token_tile) and keep split s of every tile s * split_stride floats
+// into the workspace.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -86,8 +87,10 @@ __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* til
 // variants (BN <= 16 on sm_90, 40 registers) measured 1-4% slower with the float4 sum, whether
 // inlined (it spilled the main loop) or called out of line (it moved the main loop's register
 // allocation), although the sum itself is faster.
+// The partial tiles of tile `tile` sit split_stride floats apart, split 0 first.
 template <bool kBF16, int BN, int kBlockRows, int kThreads, bool kVectorSum = true>
-__device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_local, int n0, int split, int splits,
+__device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_local, int n0, int64_t tile,
+                                           int64_t split_stride, int split, int splits,
                                            const float (&acc)[BN / 8][4], int lane, int tid, int* s_is_last,
                                            bool has_acc = true) {
   static_assert(kBlockRows % 4 == 0, "the split-K reduction reads float4 rows");
@@ -106,9 +109,7 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
       }
     return;
   }
-  const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   constexpr int64_t kTileFloats = BN * kBlockRows;
-  const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kTileFloats;
   float* part = o.workspace + split * split_stride + tile * kTileFloats;
   if (has_acc) {
 #pragma unroll

@@ -1,4 +1,5 @@
-// Planning and dispatch of the fused low-bit kernel: tile width by N, split-K by occupancy.
+// Planning and dispatch of the fused low-bit kernel: tile width by N, the schedule (split-K by
+// occupancy, or the balanced one) by the planner's rule or the caller.
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -15,25 +16,26 @@ SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, true)
 namespace {
 
 template <bool kBF16>
-int query_blocks_per_sm(int bits, int bn, int ng) {
+int query_blocks_per_sm(int bits, int bn, int ng, bool balanced) {
   switch (bits) {
-    case 1: return blocks_per_sm<kBF16, 1>(bn, ng);
-    case 2: return blocks_per_sm<kBF16, 2>(bn, ng);
-    case 4: return blocks_per_sm<kBF16, 4>(bn, ng);
-    default: return blocks_per_sm<kBF16, 8>(bn, ng);
+    case 1: return blocks_per_sm<kBF16, 1>(bn, ng, balanced);
+    case 2: return blocks_per_sm<kBF16, 2>(bn, ng, balanced);
+    case 4: return blocks_per_sm<kBF16, 4>(bn, ng, balanced);
+    default: return blocks_per_sm<kBF16, 8>(bn, ng, balanced);
   }
 }
 
 // Resident blocks per SM of a kernel variant on a device: an occupancy query costs
 // microseconds, so it is asked once.
-int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng) {
+int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, bool balanced) {
   static std::mutex mu;
-  static std::map<std::tuple<int, bool, int, int, int>, int> cache;
-  const auto key = std::make_tuple(device, bf16, bits, bn, ng);
+  static std::map<std::tuple<int, bool, int, int, int, bool>, int> cache;
+  const auto key = std::make_tuple(device, bf16, bits, bn, ng, balanced);
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  const int blocks = bf16 ? query_blocks_per_sm<true>(bits, bn, ng) : query_blocks_per_sm<false>(bits, bn, ng);
+  const int blocks =
+      bf16 ? query_blocks_per_sm<true>(bits, bn, ng, balanced) : query_blocks_per_sm<false>(bits, bn, ng, balanced);
   cache.emplace(key, blocks);
   return blocks;
 }
@@ -55,6 +57,8 @@ cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s)
 // 21.2 / 23.0 / 27.6 us with 2 splits, 19.0 / 21.1 / 26.0 with 4, 20.4 / 22.3 / 29.2 with 6 (the
 // old rule's ~2.5 blocks per SM; unsplit ~31 / 33 / 39 in an earlier lease); 8192x28672 (128)
 // 54 / 61 / 80 us with 2 or 3 splits, 55 / 62 / 97 with 4.
+constexpr int kMaxGridZ = 65535;  // splits: the grid's z dimension
+
 int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
   if (base_blocks >= sms) return 1;
   constexpr int kMinItersPerSplit = 4;
@@ -81,21 +85,49 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   // Groups of 32 and 64 split a 128-column chunk; every other size (128, 256, per-channel K)
   // gives one group per chunk.
   p.ng = group_size == 32 ? 4 : group_size == 64 ? 2 : 1;
-  p.blocks_per_sm = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng);
   int sms = 1, major = 8;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   p.pdl = use_pdl(major);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
-  int splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * p.blocks_per_sm, total_iters);
-  if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) {
-    const int forced = std::atoi(env);
-    if (forced > 0) splits = std::min(forced, total_iters);
+  const int64_t units = static_cast<int64_t>(p.row_blocks) * total_iters;
+  int splits = 0;  // split-K factor, or -1: the balanced schedule
+  if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) splits = std::max(-1, std::atoi(env));
+  if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
+  const int resident = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, false);
+  if (splits == 0) {
+    // The balanced schedule where a layer has more row blocks than the schedule has blocks, at
+    // N <= 32 (one token tile; larger N was not measured).
+    // H100, one process, one block per row block -> balanced, us, N = 1 / 8 / 16 / 32:
+    //   4-bit g128 28672x8192 58.4 / 67.7 / 96.4 / 121.6 -> 57.3 / 62.0 / 79.9 / 113.6
+    //              28672x4096 33.6 / 36.5 / 51.7 / 68.1 -> 33.6 / 35.9 / 46.0 / 69.5
+    //   8-bit      28672x8192 100.8 / 106.3 / 123.3 / 162.7 -> 98.6 / 100.8 / 110.6 / 141.1
+    //   2-bit g64  28672x8192 53.1 / 54.3 / 85.0 / 106.8 -> 52.7 / 54.6 / 67.6 / 98.8
+    // With fewer row blocks, ranges are shorter than a row and most tiles are split: 14336x4096
+    // (224 row blocks) 20.1 / 22.4 / 25.4 / 36.7 -> 21.5 / 23.4 / 28.3 / 41.1; split-K
+    // layers lose at N = 1 (8192x28672, 2 splits: 54.9 -> 56.9; 4096x14336, 4: 19.9 -> 21.5).
+    // SPINFER_LOWBIT_BALANCED=0 leaves the rule out (A/B runs).
+    const char* env = std::getenv("SPINFER_LOWBIT_BALANCED");
+    const bool allowed = !(env && env[0] == '0');
+    if (allowed && p.n_tiles == 1 && p.row_blocks > sms * kBalancedPerSM) splits = -1;
+    else splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * resident, total_iters);
   }
-  if (splits_wanted > 0) splits = std::min(splits_wanted, total_iters);
-  const int per_split = (total_iters + splits - 1) / splits;
-  p.splits = (total_iters + per_split - 1) / per_split;  // no empty splits
+  p.balanced = splits < 0;
+  p.blocks_per_sm = p.balanced ? blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, true) : resident;
+  if (p.balanced) {
+    // SMs x resident blocks, shared by the token tiles; a block has at least one unit.
+    const int64_t want = std::max<int64_t>(1, int64_t(sms) * std::min(p.blocks_per_sm, kBalancedPerSM) / p.n_tiles);
+    p.grid_blocks = static_cast<int>(std::min(want, units));
+    // A row block's T units meet at most floor(G / rows) + 1 range boundaries (ranges hold at
+    // least floor(T rows / G) units), so at most that + 1 blocks share its tile.
+    p.splits = std::min(p.grid_blocks, p.grid_blocks % p.row_blocks == 0 ? p.grid_blocks / p.row_blocks
+                                                                         : p.grid_blocks / p.row_blocks + 2);
+  } else {
+    const int per_split = (total_iters + std::min(splits, kMaxGridZ) - 1) / std::min(splits, kMaxGridZ);
+    p.splits = (total_iters + per_split - 1) / per_split;  // no empty splits
+    p.grid_blocks = p.row_blocks * p.splits;
+  }
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.row_blocks;
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kBlockRows;

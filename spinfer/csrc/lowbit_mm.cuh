@@ -4,7 +4,8 @@
 // Read top to bottom:
 //  * One block of two groups of 4 warps owns 64 output rows and a tile of BN tokens; warp w of
 //    a group owns rows 16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a
-//    split-K share), each group taking half of every stage.
+//    split-K share), each group taking half of every stage. In the balanced schedule a block's
+//    range runs on across row blocks instead (Schedule, below).
 //  * A 3-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
 //    tile (one contiguous 4..8 KB span: the format stores 64-row x stage tiles), their
 //    (scale, zero) pairs and the matching activation slice to shared memory, so 2 stages of
@@ -65,6 +66,11 @@ constexpr int kBlockRows = 16 * kWarps;
 // groups, 4 stages at BN = 8 measured 61 us against 57 and 5 stages 71 us, and the other issue
 // shapes moved the same way, although ncu shows warps waiting on the copies.
 constexpr int kStages = 3;
+// Blocks per SM of the balanced schedule (see Schedule). H100, 4-bit g128, one lease: with 2
+// blocks of 5 / 4 / 3 stages 28672x8192 at N = 16 took 81.5 / 80.8 / 79.6 us (92.4 one block
+// per row block) and 14336x4096 at N = 1 23.4 / 22.4 / 21.6 (19.7): more stages in flight
+// only lengthen the wait for the first one, so the balanced variant keeps kStages.
+constexpr int kBalancedPerSM = 2;
 
 // Chunks per stage: 256 columns (128 at 8 bits) keep a stage's weights at 4..8 KB per block.
 template <int BITS>
@@ -114,7 +120,7 @@ __device__ __forceinline__ int piece_swizzle(int r) {
 // One stage: [64 weight rows][row bytes] [64 rows][U*NG (scale, zero) pairs] [BN][x stride].
 // The x stride is columns + 16 halves: row g's 8-byte B-fragment loads start 32 bytes after
 // row g-1's (mod 128), so a half-warp (4 rows x 4 lanes) covers all 32 banks once.
-template <int BITS, int BN, int NG>
+template <int BITS, int BN, int NG, bool CROSS = false>
 struct Layout {
   static constexpr int U = chunks_per_stage<BITS>();
   static constexpr int kCols = U * kChunk;
@@ -124,7 +130,15 @@ struct Layout {
   static constexpr int kXOffset = kSzOffset + (kBlockRows * kPairs * 4 + 15) / 16 * 16;
   static constexpr int kXStride = kCols + 16;
   static constexpr int kStageBytes = kXOffset + BN * kXStride * 2;
-  static constexpr int kSmemBytes = kStages * kStageBytes;
+  // Where the second warp group's accumulators are summed into the first's when a tile is
+  // flushed: the balanced schedule (CROSS) flushes while stages are in flight, so it has a region
+  // after the stages; otherwise the flush is at the end and uses the idle stage buffers. (A first
+  // version with the region in every variant and a range computed by divisions in every block
+  // measured ~1 us slower on 14336x4096, one block per row block.)
+  static constexpr int kRedOffset = kStages * kStageBytes;
+  static constexpr int kRedBytes = BN * kBlockRows * 4;
+  static constexpr int kSmemBytes = kRedOffset + (CROSS ? kRedBytes : 0);
+  static_assert(kRedBytes <= kRedOffset, "room for one group's accumulators in the stage buffers");
   static_assert(kWStride % 16 == 0 && kXOffset % 16 == 0 && kStageBytes % 16 == 0, "16-byte alignment");
 };
 
@@ -263,10 +277,57 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
   }
 }
 
-template <bool kBF16, int BITS, int BN, int NG>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
-    lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int iters_per_split, const int splits) {
-  using L = Layout<BITS, BN, NG>;
+// The schedule. The layer's work is a list of units, one stage of one 64-row block each, row
+// block major: unit u is stage u % T of row block u / T (T = stages per row, K / 256). Block b of
+// the G blocks along gridDim.y takes units floor(b W / G) .. floor((b + 1) W / G) - 1 of the W
+// units, in order. G = row blocks is one block per row block; G = s x row blocks is split-K
+// with s balanced splits; any other G (the balanced schedule: 2 blocks per SM) gives every block
+// the same number of stages, with ranges that cross row blocks. The packed format stores the
+// units in this order, so a block's weights are one contiguous stream. A block flushes its
+// accumulators at the end of each row block it touches: stored with bias if it had the whole
+// row, else a partial tile that the last of the row's blocks to arrive sums in block order.
+// a / d for a >= 0, d > 0. A 64-bit division is a long software routine, and every block divides
+// a few times at its start, before its first copy, and at its end; here both operands fit in 32
+// bits unless the layer has 2^32 units, and a 32-bit division is a few instructions.
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t d) {
+  if (((static_cast<uint64_t>(a) | static_cast<uint64_t>(d)) >> 32) == 0)
+    return static_cast<uint32_t>(a) / static_cast<uint32_t>(d);
+  return a / d;
+}
+
+struct Schedule {
+  int64_t units;  // W
+  int per_row;    // T
+  int blocks;     // G
+  // rows: row blocks; per_row: stages per row block.
+  __device__ __forceinline__ Schedule(int rows, int per_row)
+      : units(static_cast<int64_t>(rows) * per_row), per_row(per_row), blocks(gridDim.y) {}
+  // The block whose range holds unit u: floor(((u + 1) G - 1) / W) (ranges are never empty).
+  __device__ __forceinline__ int block_of(int64_t u) const {
+    return static_cast<int>(floor_div((u + 1) * blocks - 1, units));
+  }
+  __device__ __forceinline__ int64_t begin(int b) const { return floor_div(b * units, blocks); }
+};
+
+// This block's range: its first unit, row block and stage in that row, and length.
+struct Range {
+  int64_t begin;
+  int row, stage, units;
+  __device__ __forceinline__ explicit Range(const Schedule& s) {
+    const int b = blockIdx.y;
+    begin = s.begin(b);
+    units = static_cast<int>(s.begin(b + 1) - begin);
+    row = static_cast<int>(floor_div(begin, s.per_row));
+    stage = static_cast<int>(begin - static_cast<int64_t>(row) * s.per_row);
+  }
+};
+
+// CROSS: ranges may cross row blocks (the balanced schedule); without it a block's range is
+// one row block's stages, and the kernel keeps none of the bookkeeping for more.
+template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
+    lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int64_t split_stride, const int iters_per_split) {
+  using L = Layout<BITS, BN, NG, CROSS>;
   constexpr int U = L::U;
   constexpr int kTilesPerWord = 8 / BITS;  // k16 tiles whose values one word holds (8-bit: 1)
   constexpr int kRowBytes = U * kChunk * BITS / 8;  // a weight row's bytes per stage
@@ -279,11 +340,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * BN;
   const int valid_rows = min(BN, args.n - n0);
-  const int m_base = blockIdx.y * kBlockRows;
-  const int split = blockIdx.z;
-  const int total_iters = (chunks + U - 1) / U;
-  const int it_begin = split * iters_per_split;
-  const int iters = max(0, min(total_iters, it_begin + iters_per_split) - it_begin);
+  const int total_iters = (chunks + U - 1) / U;  // stages per row block
+  const int row_blocks = (args.m + kBlockRows - 1) / kBlockRows;
+  // The first unit's row block and stage in it, and how many units. Without CROSS the grid is
+  // (token tiles, row blocks, splits) and a split is iters_per_split stages: no division, which
+  // every block would pay before its first copy.
+  int row_first, it_begin, iters;
+  if constexpr (CROSS) {
+    const Range range(Schedule(row_blocks, total_iters));
+    row_first = range.row, it_begin = range.stage, iters = range.units;
+  } else {
+    row_first = blockIdx.y, it_begin = blockIdx.z * iters_per_split;
+    iters = max(0, min(total_iters, it_begin + iters_per_split) - it_begin);
+  }
 
   // All threads: 16-byte copies of weights and activations, 4-byte copies of (scale, zero)
   // pairs. Weight tiles are padded to 64 rows and whole stages in the format; scales of rows
@@ -300,19 +369,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   static_assert((kWSlots % kThreads == 0 || kWCopies == 1) && kWRowStep % 8 == 0, "whole weight copy rounds");
   const int w_row = tid / kWPieces;
   const int w_dst = w_row * L::kWStride + ((tid % kWPieces) ^ piece_swizzle<BITS>(w_row)) * 16;
-  const unsigned char* w_src = reinterpret_cast<const unsigned char*>(args.qweight) +
-                               (static_cast<int64_t>(blockIdx.y) * total_iters + it_begin) * kBlockRows * kRowBytes +
-                               tid * 16;
+  const unsigned char* w_src =
+      reinterpret_cast<const unsigned char*>(args.qweight) +
+      (static_cast<int64_t>(row_first) * total_iters + it_begin) * kBlockRows * kRowBytes + tid * 16;
   constexpr int kSzSlots = kBlockRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
   constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
   const uint32_t* sz_row[kSzCopies];  // this slot's row of scale_zero (nullptr past M)
   int sz_col[kSzCopies];              // its column offset inside the stage (u, j)
+  auto sz_rows = [&](const int row_block) {  // the slots' rows in a row block
+#pragma unroll
+    for (int i = 0; i < kSzCopies; ++i) {
+      const int p = tid + i * kThreads, r = row_block * kBlockRows + p / L::kPairs;
+      sz_row[i] = p < kSzSlots && r < args.m
+                      ? reinterpret_cast<const uint32_t*>(args.scale_zero) + static_cast<int64_t>(r) * args.groups
+                      : nullptr;
+    }
+  };
+  sz_rows(row_first);
 #pragma unroll
   for (int i = 0; i < kSzCopies; ++i) {
-    const int p = tid + i * kThreads, r = p / L::kPairs, u = p % L::kPairs / NG, j = p % NG;
-    sz_row[i] = p < kSzSlots && m_base + r < args.m
-                    ? reinterpret_cast<const uint32_t*>(args.scale_zero) + static_cast<int64_t>(m_base + r) * args.groups
-                    : nullptr;
+    const int p = tid + i * kThreads, u = p % L::kPairs / NG, j = p % NG;
     sz_col[i] = u * kChunk + j * (kChunk / NG);
   }
 
@@ -325,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   const int x_row = tid / kXPieces;
   const int x_dst = (x_row * L::kXStride + (tid % kXPieces) * 8) * 2;
   const char* x_src = static_cast<const char*>(args.x) +
-                      (static_cast<int64_t>(n0 + x_row) * args.kp + it_begin * L::kCols + (tid % kXPieces) * 8) * 2;
+                      (static_cast<int64_t>(n0 + x_row) * args.kp + (tid % kXPieces) * 8) * 2;  // column 0
   const int64_t x_step = static_cast<int64_t>(kXRowStep) * args.kp * 2;  // bytes between a thread's x rows
 
   // issue_w(st) and issue_x(st) fill the stage buffer at shared address st with the next
@@ -333,10 +409,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
   // can be requested before griddep_wait (launch.cuh). Stages are issued in order, so the
   // sources are cursors that advance by one stage per call rather than addresses recomputed
   // from the stage number (SASS: a third of the ~55 instructions that every thread spent per
-  // stage on copies was that arithmetic).
+  // stage on copies was that arithmetic). The weights are one stream; at the end of a row block
+  // the activation and scale cursors go back to column 0 of the next one.
   const unsigned char* w_next = w_src;
-  const char* x_next = x_src;
-  int col_next = it_begin * L::kCols;  // first column of the next stage
+  const char* x_next = x_src + it_begin * L::kCols * 2;
+  int col_next = it_begin * L::kCols;  // first column of the next weight stage
+  int row_next = row_first;            // its row block
+  int x_stage = it_begin;              // stage in its row of the next activation slice
   auto issue_w = [&](const uint32_t st) {
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
 #pragma unroll
@@ -356,6 +435,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
       ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
     }
     col_next += L::kCols;
+    if (CROSS && col_next == args.kp) col_next = 0, sz_rows(++row_next);  // the next row block
   };
   auto issue_x = [&](const uint32_t st) {
 #pragma unroll
@@ -364,6 +444,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
       ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, x_next + i * x_step);
     }
     x_next += L::kCols * 2;
+    if (CROSS && ++x_stage == total_iters) x_stage = 0, x_next = x_src;
   };
 
   float acc[BN / 8][4];
@@ -522,12 +603,53 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
     reinterpret_cast<uint32_t*>(smem + (idx / per_stage) * L::kStageBytes + L::kXOffset +
                                 valid_rows * L::kXStride * 2)[idx % per_stage] = 0u;
   }
+
+  // The end of a row block's units in this block: the second group's accumulators join the
+  // first's, and the tile is stored (splits == 1) or left as split `split` of the `splits` blocks
+  // that share the row, which the last of them to arrive sums (epilogue.cuh).
+  const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
+  float* red = reinterpret_cast<float*>(smem + (CROSS ? L::kRedOffset : 0));
+  const int slot = tid % (32 * kWarps);
+  auto flush = [&](const int row, const int split, const int splits) {
+    if constexpr (!CROSS) __syncthreads();  // every warp is done with the stage buffers
+    if (group == 1)
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(nb * 4 + e) * (32 * kWarps) + slot] = acc[nb][e];
+    __syncthreads();
+    if (group == 0)
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nb][e] += red[(nb * 4 + e) * (32 * kWarps) + slot];
+    store_tile<kBF16, BN, kBlockRows, kThreads>(out, row * kBlockRows, my_row, n0,
+                                                static_cast<int64_t>(row) * gridDim.x + blockIdx.x, split_stride,
+                                                split, splits, acc, lane, tid, &s_is_last, group == 0);
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nb][e] = 0.f;
+  };
+  // The balanced schedule's flush of row block `row`: this block's split among the blocks whose
+  // ranges meet the row, unless it had the whole row.
+  auto flush_shared = [&](const int row, const bool whole) {
+    int split = 0, splits = 1;
+    if (!whole) {
+      const Schedule sched(row_blocks, total_iters);
+      const int first = sched.block_of(static_cast<int64_t>(row) * total_iters);
+      split = blockIdx.y - first;
+      splits = sched.block_of(static_cast<int64_t>(row + 1) * total_iters - 1) - first + 1;
+    }
+    flush(row, split, splits);
+  };
+
   // Stage i is consumed while stage i+1 is in flight. A group is committed every iteration
   // (empty near the end) so wait_group's count stays uniform.
   // The buffers computed (rd) and filled (wr) this iteration, as byte offsets that wrap.
   const uint32_t smem_base = ptx::smem_addr(smem);
   int rd = 0, wr = 0;
-  auto next = [](int off) { return off + L::kStageBytes == L::kSmemBytes ? 0 : off + L::kStageBytes; };
+  auto next = [](int off) { return off + L::kStageBytes == L::kRedOffset ? 0 : off + L::kStageBytes; };
   // The first stages' weights go out before the wait for the previous kernel (programmatic
   // dependent launch), their activations after it; stage st's copies all belong to commit
   // group st or an earlier one, so the waits below are unchanged.
@@ -541,6 +663,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
     ptx::cp_async_commit_group();
     wr = next(wr);
   }
+  int row = row_first, stage_in_row = it_begin;  // of the stage computed (CROSS)
   for (int i = 0; i < iters; ++i) {
     ptx::cp_async_wait_group<kStages - 2>();
     // Stage i is visible to all threads, and all threads are done with stage i-1, whose
@@ -551,29 +674,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
     ptx::cp_async_commit_group();
     compute(rd);
     rd = next(rd), wr = next(wr);
+    if (CROSS && ++stage_in_row == total_iters && i + 1 < iters) {  // a row block ends, not the last
+      flush_shared(row, row != row_first || it_begin == 0);
+      ++row, stage_in_row = 0;
+    }
   }
   SPINFER_MARK(2);
   ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
-  ptx::cp_async_wait_group<0>();
-  // The second group's accumulators join the first's through the (now idle) stage buffers.
-  static_assert(kThreads / 2 * BN / 2 * 4 <= L::kSmemBytes, "room for one group's accumulators");
-  float* red = reinterpret_cast<float*>(smem);
-  const int slot = tid % (32 * kWarps);
-  __syncthreads();  // every warp is done with the last stage
-  if (group == 1)
-#pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[(nb * 4 + e) * (32 * kWarps) + slot] = acc[nb][e];
-  __syncthreads();
-  if (group == 0)
-#pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nb][e] += red[(nb * 4 + e) * (32 * kWarps) + slot];
-  const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-  store_tile<kBF16, BN, kBlockRows, kThreads>(out, m_base, my_row, n0, split, splits, acc, lane, tid, &s_is_last,
-                                              group == 0);
+  // Every issued copy has been waited for: the last stages commit empty groups.
+  if constexpr (CROSS) {
+    const int64_t unit_end = static_cast<int64_t>(row_first) * total_iters + it_begin + iters;
+    const int row_last = static_cast<int>(floor_div(unit_end - 1, total_iters));
+    flush_shared(row_last,
+                 (row_last != row_first || it_begin == 0) && unit_end == static_cast<int64_t>(row_last + 1) * total_iters);
+  } else {
+    flush(blockIdx.y, blockIdx.z, gridDim.z);
+  }
   SPINFER_MARK(3);
 #ifdef SPINFER_TIMELINE
   unsigned smid;
@@ -582,20 +698,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<BITS, BN>)
 #endif
 }
 
-// Host side of one (dtype, bits) pair: the BN and NG variants, instantiated in
-// lowbit_mm_{fp16,bf16}_{1,2,4,8}.cu so nvcc builds them in parallel.
-template <bool kBF16, int BITS, int BN, int NG>
+// Host side of one (dtype, bits) pair: the BN, NG and schedule variants, instantiated in
+// lowbit_mm_{fp16,bf16}_{1,2,4,8}.cu so nvcc builds them in parallel. BALANCED: the balanced
+// schedule's variant (ranges across row blocks, kBalancedPerSM resident blocks).
+template <bool kBF16, int BITS, int BN, int NG, bool BALANCED>
 struct Launcher {
+  static constexpr auto kernel =
+      lowbit_mm_kernel<kBF16, BITS, BN, NG, BALANCED ? kBalancedPerSM : kMinBlocks<BITS, BN>, BALANCED>;
+  static constexpr int kSmem = Layout<BITS, BN, NG, BALANCED>::kSmemBytes;
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-    auto kernel = lowbit_mm_kernel<kBF16, BITS, BN, NG>;
-    constexpr int kSmem = Layout<BITS, BN, NG>::kSmemBytes;
     if (cudaError_t err = allow_smem(); err != cudaSuccess) return err;
+    // Balanced: (token tiles, blocks); else (token tiles, row blocks, splits) of
+    // iters_per_split stages each.
     constexpr int U = chunks_per_stage<BITS>();
     const int total_iters = (plan.chunks + U - 1) / U;
     const int iters_per_split = (total_iters + plan.splits - 1) / plan.splits;
-    const dim3 grid(plan.n_tiles, plan.row_blocks, plan.splits);
-    return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, args, plan.chunks, iters_per_split,
-                         plan.splits);
+    const dim3 grid = BALANCED ? dim3(plan.n_tiles, plan.grid_blocks) : dim3(plan.n_tiles, plan.row_blocks, plan.splits);
+    const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * kBlockRows;
+    return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, args, plan.chunks, split_stride,
+                         iters_per_split);
   }
   // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).
   static cudaError_t allow_smem() {
@@ -604,15 +725,11 @@ struct Launcher {
     cudaGetDevice(&device);
     const uint64_t bit = uint64_t(1) << (device & 63);
     if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
-    const cudaError_t err = cudaFuncSetAttribute(lowbit_mm_kernel<kBF16, BITS, BN, NG>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 Layout<BITS, BN, NG>::kSmemBytes);
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
     return err;
   }
   static int blocks_per_sm() {
-    auto kernel = lowbit_mm_kernel<kBF16, BITS, BN, NG>;
-    constexpr int kSmem = Layout<BITS, BN, NG>::kSmemBytes;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 1;
     int blocks = 1;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, kSmem) != cudaSuccess)
@@ -621,47 +738,57 @@ struct Launcher {
   }
 };
 
-template <bool kBF16, int BITS, int BN>
+template <bool kBF16, int BITS, int BN, bool BALANCED>
 cudaError_t launch_ng(int ng, const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
   switch (ng) {
-    case 4: return Launcher<kBF16, BITS, BN, 4>::launch(args, plan, stream);
-    case 2: return Launcher<kBF16, BITS, BN, 2>::launch(args, plan, stream);
-    default: return Launcher<kBF16, BITS, BN, 1>::launch(args, plan, stream);
+    case 4: return Launcher<kBF16, BITS, BN, 4, BALANCED>::launch(args, plan, stream);
+    case 2: return Launcher<kBF16, BITS, BN, 2, BALANCED>::launch(args, plan, stream);
+    default: return Launcher<kBF16, BITS, BN, 1, BALANCED>::launch(args, plan, stream);
   }
 }
-template <bool kBF16, int BITS, int BN>
+template <bool kBF16, int BITS, int BN, bool BALANCED>
 int blocks_per_sm_ng(int ng) {
   switch (ng) {
-    case 4: return Launcher<kBF16, BITS, BN, 4>::blocks_per_sm();
-    case 2: return Launcher<kBF16, BITS, BN, 2>::blocks_per_sm();
-    default: return Launcher<kBF16, BITS, BN, 1>::blocks_per_sm();
+    case 4: return Launcher<kBF16, BITS, BN, 4, BALANCED>::blocks_per_sm();
+    case 2: return Launcher<kBF16, BITS, BN, 2, BALANCED>::blocks_per_sm();
+    default: return Launcher<kBF16, BITS, BN, 1, BALANCED>::blocks_per_sm();
+  }
+}
+template <bool kBF16, int BITS, bool BALANCED>
+cudaError_t launch_bn(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
+  switch (plan.bn) {
+    case 8: return launch_ng<kBF16, BITS, 8, BALANCED>(plan.ng, args, plan, stream);
+    case 16: return launch_ng<kBF16, BITS, 16, BALANCED>(plan.ng, args, plan, stream);
+    default: return launch_ng<kBF16, BITS, 32, BALANCED>(plan.ng, args, plan, stream);
+  }
+}
+template <bool kBF16, int BITS, bool BALANCED>
+int blocks_per_sm_bn(int bn, int ng) {
+  switch (bn) {
+    case 8: return blocks_per_sm_ng<kBF16, BITS, 8, BALANCED>(ng);
+    case 16: return blocks_per_sm_ng<kBF16, BITS, 16, BALANCED>(ng);
+    default: return blocks_per_sm_ng<kBF16, BITS, 32, BALANCED>(ng);
   }
 }
 
-// The entry points of one (dtype, bits) pair, for the runtime tile width and groups/chunk.
+// The entry points of one (dtype, bits) pair, for the runtime tile width, groups per chunk and
+// schedule.
 template <bool kBF16, int BITS>
 cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-  switch (plan.bn) {
-    case 8: return launch_ng<kBF16, BITS, 8>(plan.ng, args, plan, stream);
-    case 16: return launch_ng<kBF16, BITS, 16>(plan.ng, args, plan, stream);
-    default: return launch_ng<kBF16, BITS, 32>(plan.ng, args, plan, stream);
-  }
+  return plan.balanced ? launch_bn<kBF16, BITS, true>(args, plan, stream)
+                       : launch_bn<kBF16, BITS, false>(args, plan, stream);
 }
 template <bool kBF16, int BITS>
-int blocks_per_sm(int bn, int ng) {
-  switch (bn) {
-    case 8: return blocks_per_sm_ng<kBF16, BITS, 8>(ng);
-    case 16: return blocks_per_sm_ng<kBF16, BITS, 16>(ng);
-    default: return blocks_per_sm_ng<kBF16, BITS, 32>(ng);
-  }
+int blocks_per_sm(int bn, int ng, bool balanced) {
+  return balanced ? blocks_per_sm_bn<kBF16, BITS, true>(bn, ng) : blocks_per_sm_bn<kBF16, BITS, false>(bn, ng);
 }
 
 #define SPINFER_LOWBIT_INSTANTIATE(BF16, BITS)                                                        \
   template cudaError_t launch<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  template int blocks_per_sm<BF16, BITS>(int, int);
+  template int blocks_per_sm<BF16, BITS>(int, int, bool);
 #define SPINFER_LOWBIT_EXTERN(BF16, BITS)                                                                    \
   extern template cudaError_t launch<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  extern template int blocks_per_sm<BF16, BITS>(int, int);
+  extern template int blocks_per_sm<BF16, BITS>(int, int, bool);
 #define SPINFER_LOWBIT_FOR_BITS(X, BF16) X(BF16, 1) X(BF16, 2) X(BF16, 4) X(BF16, 8)
 
 }  // namespace lowbit

@@ -29,18 +29,22 @@ struct LowbitPlan {
   int n_tiles;     // ceil(n / bn)
   int row_blocks;  // ceil(m / 64)
   int chunks;      // kp / 128
-  int splits;      // split-K factor (1: no reduction)
-  int chunks_per_split;
+  int grid_blocks; // blocks per token tile: row_blocks x splits, or the balanced schedule's
+                   // SMs x kBalancedPerSM, each an equal range of the layer's (row block, stage)
+                   // units (lowbit_mm.cuh, Schedule)
+  int splits;      // most blocks that share one row block's tile (1: no reduction)
   int ng;          // scale groups per 128-column chunk: 1 (group >= 128), 2 (64) or 4 (32)
   int blocks_per_sm;  // resident blocks of this variant (occupancy API)
+  bool balanced;   // the balanced schedule (its kernel variant takes ranges across row blocks)
   int64_t workspace_floats;
   int counters;
   bool pdl;        // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
 };
 
-// splits > 0: that split-K factor (capped at the stages), as tuned by spinfer.tuning; 0: the
-// planner's rule, which SPINFER_LOWBIT_SPLITS overrides (A/B runs and tests), as
-// SPINFER_LOWBIT_BN (8, 16, 32) does the token tile.
+// splits > 0: that split-K factor (capped at the stages), -1: the balanced schedule, as tuned by
+// spinfer.tuning; 0: the planner's rule, which SPINFER_LOWBIT_SPLITS (a factor, or -1) overrides
+// (A/B runs and tests), as SPINFER_LOWBIT_BN (8, 16, 32) does the token tile;
+// SPINFER_LOWBIT_BALANCED=0 keeps the rule to split-K.
 LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16, int splits);
 
 cudaError_t lowbit_mm_run(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream);

@@ -415,8 +415,10 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
     ptx::griddep_wait();  // (the decoding warps) no global write before the previous kernel is done
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
     constexpr bool kVectorSum = kMinBlocks<BN, kBulk> == 0;  // see store_tile
-    store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, b.split, splits, acc,
-                                                   lane, tid, &s_is_last, !producer);
+    const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+    const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * BN * kGt;
+    store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, tile, split_stride,
+                                                   b.split, splits, acc, lane, tid, &s_is_last, !producer);
   }
 }
 

@@ -50,13 +50,16 @@ def check_out(out, x, m: int) -> None:
         raise ValueError(f"out must be contiguous and on {x.device}")
 
 
-def check_splits(splits):
+def check_splits(splits, balanced: bool = False):
     """A public wrapper's ``splits``: None (tuned, else the planner's choice) or an int >= 0
-    (0: the planner's choice), checked here so no bad value reaches a kernel."""
+    (0: the planner's choice), or -1 where the kernel has a balanced schedule (``balanced``),
+    checked here so no bad value reaches a kernel."""
     if splits is None:
         return None
     if isinstance(splits, bool) or not isinstance(splits, int):
         raise TypeError(f"splits must be an int or None, got {type(splits).__name__}")
-    if splits < 0:
+    if balanced and splits < -1:
+        raise ValueError(f"splits must be >= -1 (0: the planner's choice, -1: the balanced schedule), got {splits}")
+    if not balanced and splits < 0:
         raise ValueError(f"splits must be >= 0 (0: the planner's choice), got {splits}")
     return splits

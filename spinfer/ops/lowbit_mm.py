@@ -88,11 +88,12 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     With ``out`` (a contiguous ``[N, M]`` tensor, ``N`` the product of the leading dims), the
     fused kernel writes into it at any N: static buffers for CUDA graphs.
 
-    ``splits`` sets the fused kernel's split-K factor; by default it is the one
-    :func:`spinfer.tuning.tune_lowbit` measured best for this shape and N, or the planner's rule
-    where none was tuned."""
+    ``splits`` sets the fused kernel's schedule: a split-K factor (1: one block per 64 output
+    rows), or -1 for the balanced schedule (two blocks per SM, each an equal run of the layer's
+    stages across row blocks); by default it is the one :func:`spinfer.tuning.tune_lowbit`
+    measured best for this shape and N, or the planner's rule where none was tuned."""
     x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias)
-    splits = check_splits(splits)
+    splits = check_splits(splits, balanced=True)
     m, k = weight.shape
     if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
         build.load_extension()  # JIT-compiles the kernels on first use, then cached

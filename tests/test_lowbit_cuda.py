@@ -114,7 +114,7 @@ def test_balanced_schedule_ranges_across_row_blocks(bits, dtype, monkeypatch):
 
 def test_planner_picks_balanced_or_split_schedules_exactly():
     """The planner's own choice on layers with more row blocks than the balanced schedule has
-    blocks (M = 28672: balanced at N <= 16 on an H100) and fewer (split-K or one block per row
+    blocks (M = 28672: balanced at N = 16 and 32 on an H100) and fewer (split-K or one block per row
     block), against the reference."""
     for m, k in ((28672, 512), (24000, 768), (3000, 2048)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), 4, 128)

@@ -97,20 +97,20 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
   const int resident = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, false);
   if (splits == 0) {
-    // The balanced schedule where a layer has more row blocks than the schedule has blocks, at
-    // N <= 32 (one token tile; larger N was not measured).
-    // H100, one process, one block per row block -> balanced, us, N = 1 / 8 / 16 / 32:
-    //   4-bit g128 28672x8192 58.4 / 67.7 / 96.4 / 121.6 -> 57.3 / 62.0 / 79.9 / 113.6
-    //              28672x4096 33.6 / 36.5 / 51.7 / 68.1 -> 33.6 / 35.9 / 46.0 / 69.5
-    //   8-bit      28672x8192 100.8 / 106.3 / 123.3 / 162.7 -> 98.6 / 100.8 / 110.6 / 141.1
-    //   2-bit g64  28672x8192 53.1 / 54.3 / 85.0 / 106.8 -> 52.7 / 54.6 / 67.6 / 98.8
-    // With fewer row blocks, ranges are shorter than a row and most tiles are split: 14336x4096
-    // (224 row blocks) 20.1 / 22.4 / 25.4 / 36.7 -> 21.5 / 23.4 / 28.3 / 41.1; split-K
-    // layers lose at N = 1 (8192x28672, 2 splits: 54.9 -> 56.9; 4096x14336, 4: 19.9 -> 21.5).
-    // SPINFER_LOWBIT_BALANCED=0 leaves the rule out (A/B runs).
+    // The balanced schedule at 9 <= N <= 32 (token tile 16 or 32, one tile) where a layer has
+    // more row blocks than the schedule has blocks. There one block per row block takes more
+    // than a wave at 4 and 2 bits (3 resident blocks per SM at BN = 16, 2 at BN = 32) or leaves
+    // SMs unevenly loaded. H100, one process, 28672x8192 N = 16 / 32, one block per row block
+    // -> balanced, us: 4-bit g128 90.4 / 112.0 -> 78.5 / 110.9 (A-B-A-B), 8-bit 123.3 / 162.7 ->
+    // 110.6 / 141.1, 2-bit g64 85.0 / 106.8 -> 67.6 / 98.8. At N <= 8 it gains less in isolation
+    // (4-bit N = 1 / 8 57.1 / 64.5 -> 56.1 / 60.6) and the end-to-end decode (CUDA graphs, PDL;
+    // its gate_up 28672x4096 took 33.6 / 36.5 -> 33.6 / 35.9 alone) ran 1.3% slower at batch 1
+    // and 0.5% at batch 8 with it. With fewer row blocks than the schedule has blocks, ranges are
+    // shorter than a row and most tiles are split: 14336x4096 N = 1 / 8 / 16 / 32 20.1 / 22.4 /
+    // 25.4 / 36.7 -> 21.5 / 23.4 / 28.3 / 41.1. SPINFER_LOWBIT_BALANCED=0 leaves the rule out.
     const char* env = std::getenv("SPINFER_LOWBIT_BALANCED");
     const bool allowed = !(env && env[0] == '0');
-    if (allowed && p.n_tiles == 1 && p.row_blocks > sms * kBalancedPerSM) splits = -1;
+    if (allowed && p.bn >= 16 && p.n_tiles == 1 && p.row_blocks > sms * kBalancedPerSM) splits = -1;
     else splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * resident, total_iters);
   }
   p.balanced = splits < 0;

@@ -233,3 +233,23 @@ def test_out_variant_on_cpu_writes_the_reference():
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="out must be"):
         spinfer.lowbit_mm(x, q, out=torch.empty(3, 41).half())
+
+
+def test_balanced_schedule_partition_bounds():
+    """The arithmetic of the low-bit kernel's balanced schedule (lowbit_mm.cuh, Schedule and
+    balanced_grid), by enumeration: block b of G takes units floor(bW/G) .. floor((b+1)W/G) - 1
+    of W = rows x T; the block holding unit u is floor(((u+1)G - 1) / W); and at most
+    floor(G/rows) + 2 blocks (G/rows when rows divide G, never more than G) share one row block,
+    which sizes the kernel's workspace of partial tiles."""
+    for rows in range(1, 30):
+        for t in range(1, 14):
+            w = rows * t
+            for g in range(1, min(w, 90) + 1):
+                owner = [b for b in range(g) for _ in range(b * w // g, (b + 1) * w // g)]
+                assert len(owner) == w
+                assert all(((u + 1) * g - 1) // w == owner[u] for u in range(w))
+                bound = min(g, g // rows if g % rows == 0 else g // rows + 2)
+                shares = max(len(set(owner[r * t:(r + 1) * t])) for r in range(rows))
+                assert shares <= bound, (rows, t, g)
+                if g % rows == 0:
+                    assert shares == bound

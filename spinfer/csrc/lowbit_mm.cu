@@ -116,16 +116,12 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   p.balanced = splits < 0;
   p.blocks_per_sm = p.balanced ? blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, true) : resident;
   if (p.balanced) {
-    // SMs x resident blocks, shared by the token tiles; a block has at least one unit.
-    const int64_t want = std::max<int64_t>(1, int64_t(sms) * std::min(p.blocks_per_sm, kBalancedPerSM) / p.n_tiles);
-    p.grid_blocks = static_cast<int>(std::min(want, units));
-    // A row block's T units meet at most floor(G / rows) + 1 range boundaries (ranges hold at
-    // least floor(T rows / G) units), so at most that + 1 blocks share its tile.
-    p.splits = std::min(p.grid_blocks, p.grid_blocks % p.row_blocks == 0 ? p.grid_blocks / p.row_blocks
-                                                                         : p.grid_blocks / p.row_blocks + 2);
+    const BalancedGrid g = balanced_grid(sms, p.blocks_per_sm, p.n_tiles, p.row_blocks, units);
+    p.grid_blocks = g.blocks;
+    p.splits = g.shares;
   } else {
-    const int per_split = (total_iters + std::min(splits, kMaxGridZ) - 1) / std::min(splits, kMaxGridZ);
-    p.splits = (total_iters + per_split - 1) / per_split;  // no empty splits
+    p.iters_per_split = (total_iters + std::min(splits, kMaxGridZ) - 1) / std::min(splits, kMaxGridZ);
+    p.splits = (total_iters + p.iters_per_split - 1) / p.iters_per_split;  // no empty splits
     p.grid_blocks = p.row_blocks * p.splits;
   }
   if (p.splits > 1) {

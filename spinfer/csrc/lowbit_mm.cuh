@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "epilogue.cuh"
@@ -308,6 +309,21 @@ struct Schedule {
   }
   __device__ __forceinline__ int64_t begin(int b) const { return floor_div(b * units, blocks); }
 };
+
+// The balanced schedule's grid on the host: blocks per token tile (SMs x kBalancedPerSM shared by
+// the token tiles, at most one per unit) and the most blocks that share one row block's tile,
+// which sizes the workspace. A row block's T units meet at most floor(G / rows) + 1 range
+// boundaries (ranges hold at least floor(T rows / G) units), so at most that + 1 blocks share
+// it; exactly G / rows when rows divide G (tests/test_lowbit.py checks both by enumeration).
+struct BalancedGrid {
+  int blocks, shares;
+};
+inline BalancedGrid balanced_grid(int sms, int resident, int n_tiles, int row_blocks, int64_t units) {
+  const int64_t want = std::max<int64_t>(1, int64_t(sms) * std::min(resident, kBalancedPerSM) / n_tiles);
+  const int blocks = static_cast<int>(std::min(want, units));
+  const int shares = blocks % row_blocks == 0 ? blocks / row_blocks : blocks / row_blocks + 2;
+  return {blocks, std::min(blocks, shares)};
+}
 
 // This block's range: its first unit, row block and stage in that row, and length.
 struct Range {
@@ -709,14 +725,11 @@ struct Launcher {
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
     if (cudaError_t err = allow_smem(); err != cudaSuccess) return err;
     // Balanced: (token tiles, blocks); else (token tiles, row blocks, splits) of
-    // iters_per_split stages each.
-    constexpr int U = chunks_per_stage<BITS>();
-    const int total_iters = (plan.chunks + U - 1) / U;
-    const int iters_per_split = (total_iters + plan.splits - 1) / plan.splits;
+    // plan.iters_per_split stages each.
     const dim3 grid = BALANCED ? dim3(plan.n_tiles, plan.grid_blocks) : dim3(plan.n_tiles, plan.row_blocks, plan.splits);
     const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * kBlockRows;
     return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, args, plan.chunks, split_stride,
-                         iters_per_split);
+                         plan.iters_per_split);
   }
   // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).
   static cudaError_t allow_smem() {

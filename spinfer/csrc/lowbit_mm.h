@@ -33,6 +33,7 @@ struct LowbitPlan {
                    // SMs x kBalancedPerSM, each an equal range of the layer's (row block, stage)
                    // units (lowbit_mm.cuh, Schedule)
   int splits;      // most blocks that share one row block's tile (1: no reduction)
+  int iters_per_split;  // stages per split-K block (not the balanced schedule)
   int ng;          // scale groups per 128-column chunk: 1 (group >= 128), 2 (64) or 4 (32)
   int blocks_per_sm;  // resident blocks of this variant (occupancy API)
   bool balanced;   // the balanced schedule (its kernel variant takes ranges across row blocks)

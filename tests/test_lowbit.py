@@ -236,7 +236,7 @@ def test_out_variant_on_cpu_writes_the_reference():
 
 
 def test_balanced_schedule_partition_bounds():
-    """The arithmetic of the low-bit kernel's balanced schedule (lowbit_mm.cuh, Schedule and
+    """The arithmetic of the low-bit kernel's balanced schedule (schedule.cuh, Schedule and
     balanced_grid), by enumeration: block b of G takes units floor(bW/G) .. floor((b+1)W/G) - 1
     of W = rows x T; the block holding unit u is floor(((u+1)G - 1) / W); and at most
     floor(G/rows) + 2 blocks (G/rows when rows divide G, never more than G) share one row block,

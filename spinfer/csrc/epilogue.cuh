@@ -52,14 +52,14 @@ struct TileOut {
 // float per thread and iteration waited ceil(BN * 64 / threads) times in a row: for the low-bit
 // kernel's 256 threads 2 / 4 / 8 times at BN = 8 / 16 / 32, now 1 / 1 / 2. Same lease, 4096x14336
 // (4 splits), N = 16 / 32: 4 bits 27.0 -> 25.7 / 36.8 -> 34.7 us, 8 bits 35.4 -> 34.0 / 45.7 -> 43.0.
-template <bool kBF16, int kTileFloats, int kBlockRows, int kThreads>
+template <bool kBF16, int kBlockRows, int kThreads>
 __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* tile_base, int64_t split_stride,
-                                              int splits, int m_base, int n0, int tid) {
-  constexpr int kVecs = kTileFloats / 4;
+                                              int splits, int m_base, int n0, int valid_floats, int tid) {
+  const int vecs = valid_floats / 4;
   const float4* base = reinterpret_cast<const float4*>(tile_base);
   const int64_t vec_stride = split_stride / 4;
 #pragma unroll 1
-  for (int v = tid; v < kVecs; v += kThreads) {
+  for (int v = tid; v < vecs; v += kThreads) {
     const int m = m_base + (4 * v) % kBlockRows, n = n0 + 4 * v / kBlockRows;
     float bias[4];
 #pragma unroll
@@ -69,7 +69,6 @@ __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* til
       const float4 p = __ldcg(base + sp * vec_stride + v);
       sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
     }
-    if (n >= o.n) continue;
     const float s[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
@@ -82,7 +81,10 @@ __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* til
 // other warps (a copy-issuing producer) only help with the reduction.
 // Split-K: an fp32 partial tile [BN][kBlockRows] per split; the last block to arrive for the
 // tile sums the splits in order 0..splits-1 (deterministic), adds bias, casts, and re-arms the
-// counter for the next launch. Every thread of the block must call this.
+// counter for the next launch. Every thread of the block must call this. Only the tile's tokens
+// below N are stored and summed (token-major, so they are a prefix of the tile): at N = 1 a
+// BN = 8 tile moves 256 bytes per split instead of 2 KB, and the last block's sum, which ends
+// the launch, waits on an eighth of the loads.
 // kVectorSum = false keeps the one-float-per-iteration sum: the SMBD kernel's register-capped
 // variants (BN <= 16 on sm_90, 40 registers) measured 1-4% slower with the float4 sum, whether
 // inlined (it spilled the main loop) or called out of line (it moved the main loop's register
@@ -111,11 +113,14 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
   }
   constexpr int64_t kTileFloats = BN * kBlockRows;
   float* part = o.workspace + split * split_stride + tile * kTileFloats;
+  const int valid = min(BN, o.n - n0);  // tokens of the tile below N
   if (has_acc) {
 #pragma unroll
     for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
+      for (int e = 0; e < 4; ++e)
+        if (nb * 8 + 2 * tq + (e % 2) < valid)
+          part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
   }
   // One thread publishes the block's partials and counts it: the barrier orders every
   // thread's partial stores before its fence, which is cumulative (the pattern of CUTLASS's
@@ -132,9 +137,9 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
   if (!*s_is_last) return;
   const float* tile_base = o.workspace + tile * kTileFloats;
   if constexpr (kVectorSum) {
-    reduce_splits<kBF16, kTileFloats, kBlockRows, kThreads>(o, tile_base, split_stride, splits, m_base, n0, tid);
+    reduce_splits<kBF16, kBlockRows, kThreads>(o, tile_base, split_stride, splits, m_base, n0, valid * kBlockRows, tid);
   } else {
-    for (int idx = tid; idx < kTileFloats; idx += kThreads) {
+    for (int idx = tid; idx < valid * kBlockRows; idx += kThreads) {
       const int m = m_base + idx % kBlockRows, n = n0 + idx / kBlockRows;
       float s = 0.f;
       for (int sp = 0; sp < splits; ++sp) s += __ldcg(tile_base + sp * split_stride + idx);

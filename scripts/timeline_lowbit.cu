@@ -96,7 +96,8 @@ int main(int argc, char** argv) {
     a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
     LowbitPlan p{};
     p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
-    const BalancedGrid g = balanced_grid(sms, lowbit::kBalancedPerSM, 1, p.row_blocks, int64_t(p.row_blocks) * (k / 256));
+    const BalancedGrid g =
+        balanced_grid(sms, lowbit::kBalancedPerSM, 1, p.row_blocks, int64_t(p.row_blocks) * (k / 256));
     p.grid_blocks = balanced ? g.blocks : p.row_blocks;
     p.splits = balanced ? g.shares : 1;
     p.iters_per_split = k / 256;  // one split: the whole row

@@ -116,7 +116,8 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   p.balanced = splits < 0;
   p.blocks_per_sm = p.balanced ? blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, true) : resident;
   if (p.balanced) {
-    const BalancedGrid g = balanced_grid(sms, std::min(p.blocks_per_sm, kBalancedPerSM), p.n_tiles, p.row_blocks, units);
+    const int per_sm = std::min(p.blocks_per_sm, kBalancedPerSM);
+    const BalancedGrid g = balanced_grid(sms, per_sm, p.n_tiles, p.row_blocks, units);
     p.grid_blocks = g.blocks;
     p.splits = g.shares;
   } else {

@@ -20,13 +20,12 @@ namespace spinfer {
 // a / d for a >= 0, d > 0. A 64-bit division is a long software routine, and every block divides
 // a few times at its start, before its first copy, and at its end; here both operands fit in 32
 // bits unless the layer has 2^32 units, and a 32-bit division is a few instructions.
-__host__ __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t d) {
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t d) {
   if (((static_cast<uint64_t>(a) | static_cast<uint64_t>(d)) >> 32) == 0)
     return static_cast<uint32_t>(a) / static_cast<uint32_t>(d);
   return a / d;
 }
 
-#ifdef __CUDACC__
 struct Schedule {
   int64_t units;  // W
   int per_row;    // T
@@ -60,14 +59,12 @@ struct Range {
     stage = static_cast<int>(begin - static_cast<int64_t>(row) * s.per_row);
   }
 };
-#endif
 
 // The balanced schedule's grid on the host: blocks per token tile (SMs x per_sm shared by the
 // token tiles, at most one per unit) and the most blocks that share one row block's tile, which
-// sizes the workspace. A row block's T units meet at most
-// floor(G / rows) + 1 range boundaries (ranges hold at least floor(T rows / G) units), so at
-// most that + 1 blocks share it; exactly G / rows when rows divide G (tests/test_lowbit.py
-// checks both by enumeration).
+// sizes the workspace. A row block's T units meet at most floor(G / rows) + 1 range boundaries
+// (ranges hold at least floor(T rows / G) units), so at most that + 1 blocks share it; exactly
+// G / rows when rows divide G (tests/test_lowbit.py checks both by enumeration).
 struct BalancedGrid {
   int blocks, shares;
 };

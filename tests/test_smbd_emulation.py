@@ -16,12 +16,12 @@ from spinfer.format.smbd import mma_a_fragment, prmt, smbd_fragment, smbd_fragme
 HEADER = Path(__file__).resolve().parents[1] / "spinfer" / "csrc" / "spmm_smbd.cuh"
 
 
-def pair_table():
-    """The kernel's selector table, read from its one definition in the CUDA header."""
+def pair_selector():
+    """The kernel's selector constants (index multiplier, index offset, table), read from their
+    one definition in the CUDA header."""
     text = HEADER.read_text()
-    lo, hi = (int(re.search(rf"constexpr uint32_t {name} = (0x[0-9a-fA-F]+)u;", text).group(1), 16)
-              for name in ("kPairSelLo", "kPairSelHi"))
-    return lo, hi
+    return tuple(int(re.search(rf"constexpr uint32_t {name} = (0x[0-9a-fA-F]+)u;", text).group(1), 16)
+                 for name in ("kSelMul", "kSelAdd", "kSelTable"))
 
 
 def tctiles_of(dense16):
@@ -33,12 +33,12 @@ def tctiles_of(dense16):
 
 
 def check(dense16):
-    """Both emulations (the offsets, and the kernel's v8 word arithmetic with its table) give
-    every lane the registers the PTX layout assigns it."""
+    """Both emulations (the offsets, and the kernel's word arithmetic with its selector
+    constants) give every lane the registers the PTX layout assigns it."""
     words, values = tctiles_of(dense16)
     want = mma_a_fragment(dense16).view(np.int16)
     np.testing.assert_array_equal(smbd_fragment(words, values).view(np.int16), want)
-    np.testing.assert_array_equal(smbd_fragment_prmt(words, values, *pair_table()).view(np.int16), want)
+    np.testing.assert_array_equal(smbd_fragment_prmt(words, values, *pair_selector()).view(np.int16), want)
 
 
 def random_tile(density, rng):
@@ -103,10 +103,10 @@ def test_prmt_emulation_follows_the_ptx_definition():
 
 
 def test_a_wrong_selector_table_is_caught():
-    """The check of the v8 arithmetic can fail: with one table byte changed (the low half's
-    selector for a pair whose first bit alone is set) a half-dense tile decodes wrongly."""
-    lo, hi = pair_table()
+    """The check of the kernel's arithmetic can fail: with one table byte changed (byte 6, the
+    selector of u1 for a pair whose first bit alone is set) a half-dense tile decodes wrongly."""
+    mul, add, table = pair_selector()
     tile = random_tile(0.5, np.random.default_rng())
     words, values = tctiles_of(tile)
-    bad = smbd_fragment_prmt(words, values, lo ^ 0x0000FF00, hi)
+    bad = smbd_fragment_prmt(words, values, mul, add, table ^ 0x00FF0000)
     assert not np.array_equal(bad.view(np.int16), mma_a_fragment(tile).view(np.int16))

@@ -91,6 +91,23 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
+// One step of an inclusive warp scan: v + (the value of lane - d), or v where lane < d. The
+// shuffle's own predicate says whether the source lane exists, so a step is a shuffle and a
+// predicated add, where __shfl_up_sync with `if (lane >= d)` compiled to a shuffle, a compare,
+// a select and an add (CUB's scans use the same form).
+template <int D>
+__device__ __forceinline__ uint32_t scan_up_add(uint32_t v) {
+  asm("{\n"
+      "  .reg .u32 t;\n"
+      "  .reg .pred p;\n"
+      "  shfl.sync.up.b32 t|p, %0, %1, 0, 0xffffffff;\n"
+      "  @p add.u32 %0, %0, t;\n"
+      "}\n"
+      : "+r"(v)
+      : "n"(D));
+  return v;
+}
+
 // 2-byte shared-memory load from a 32-bit shared address (zero-extended).
 __device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
   unsigned short v;

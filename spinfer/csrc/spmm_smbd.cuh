@@ -60,24 +60,23 @@ constexpr int kPackStride = 20;
 constexpr int kPackPerGt = 2 * kPackStride;
 
 // Shared memory of one block: `stages` stages, each holding two bitmaps (1 KB), a value buffer
-// for two runs and one x slice [x_rows][kXStride]; then one row of zeros and the GroupTile
-// offsets of the block. The value buffer holds 2 * value_cap elements, value_cap being the
-// weight's longest run (TCABME.max_run) rather than a dense GroupTile: ~2.2k values instead of
-// 4096 at 50% sparsity. The x slice has only min(BN, N) rows: the B fragments of tokens past N
-// are read from the zero row, so at N=1 a stage is 1.9 KB smaller. Both keep more blocks
+// for two runs and one x slice [x_rows][kXStride]; then the GroupTile offsets of the block. The
+// value buffer holds 2 * value_cap elements, value_cap being the weight's longest run
+// (TCABME.max_run) rather than a dense GroupTile: ~2.2k values instead of 4096 at 50% sparsity.
+// The x slice has only min(BN, N) rows, so at N=1 a stage is 1.9 KB smaller: the B fragments of
+// tokens past N repeat the last valid token's row, and the accumulator columns they feed are
+// never stored (an mma's output column n depends on B's column n only). Both keep more blocks
 // resident, which measured as the strongest lever of this kernel (2 stages beat 3 and 4).
 template <int BN>
 struct Layout {
   static constexpr int kValueOffset = kPair * kBitmapBytes;
-  static constexpr int kZeroBytes = kPair * kGt * 2;  // what an ldmatrix row address can reach
   int value_bytes, x_offset, stage_bytes, stages;
   __host__ __device__ Layout(int value_cap, int n_stages, int n)
       : value_bytes(((kPair * value_cap + kValueSlack) * 2 + 15) / 16 * 16),
         x_offset(kValueOffset + value_bytes),
         stage_bytes(x_offset + (n < BN ? n : BN) * kXStride * 2),  // 272 B rows: 16-byte aligned
         stages(n_stages) {}
-  __host__ __device__ int zero_offset() const { return stages * stage_bytes; }
-  __host__ __device__ int offsets_offset() const { return zero_offset() + kZeroBytes; }
+  __host__ __device__ int offsets_offset() const { return stages * stage_bytes; }
   __host__ __device__ int smem_bytes(int k_per_split) const {
     return offsets_offset() + ((k_per_split + 1) * 4 + 15) / 16 * 16;
   }
@@ -133,19 +132,28 @@ __device__ __forceinline__ PairRuns pair_runs(const int* s_off, int nk, int p, i
 //   the lane's pair, with the pair {b0, b1} at bits 30 and 31. e = popc(kept) is then the index
 //   one past the pair's last value, so the candidates are u0 = values[e - 2] and
 //   u1 = values[e - 1] (each zero-extended to 32 bits): f = b0 + 2 b1 = 1 or 2 takes u1 as
-//   the low or the high value, 3 takes both, 0 neither. One permute looks the selector up in an
-//   8-byte table (byte f for the low half, byte 2f for the high half, so the index is f * 0x21;
-//   f = 0 shares byte 0, a zero pair), a second builds the register. ALU work per word: a
-//   PopCount and two permutes, where a masked PopCount, two bit tests, three selects and a
-//   permute ran before (ncu: the ALU pipe 63% busy, the FMA pipe nearly idle).
-//   table byte:  7   6   5   4   3   2   1   0
-//   selector:    -  54   -  54  10  32  54  32     (32: bytes 2-3 of u0, always zero)
-constexpr uint32_t kPairSelLo = 0x10325432u;
-constexpr uint32_t kPairSelHi = 0x00540054u;
+//   the low or the high value, 3 takes both, 0 neither. The register is prmt(u0, u1, S(f)) with
+//   S(f)'s low byte 0x10 (u0), 0x54 (u1) or a zero pair, and its high byte 0x54 or a zero pair.
+//   A zero pair is any byte whose two nibbles have bit 1 set (bytes 2-3 of u0 or u1, always
+//   zero, or with bit 3 set their sign, also zero), or 0xFF.
+// S(f) is one permute of {kSelTable, 0} with the index L = kSelMul * f + kSelAdd (mod 256):
+// L = 7F, 76, 6D, 64 for f = 0..3. Nibble 0 of L picks S's low byte, nibble 1 its high byte:
+//   f = 0: F -> sign of table byte 7 (A2) = FF, zero | 7 -> A2, zero
+//   f = 1: 6 -> 54, u1                              | 7 -> A2, zero
+//   f = 2: D -> sign of table byte 5 (80) = FF, zero | 6 -> 54, u1
+//   f = 3: 4 -> 10, u0                              | 6 -> 54, u1
+// The zero source takes the place of a second table register: an 8-byte table in two
+// registers cost an extra move per word (the compiler kept one half in a uniform register,
+// which a permute cannot read). No affine index L(f) reaches an 8-byte table with both
+// halves in immediates, nor a selector S(f) directly (checked by enumeration). ALU work per
+// word: a PopCount and two permutes; FMA pipe: the kept, address, f and L multiplies.
+constexpr uint32_t kSelMul = 0xF7u;
+constexpr uint32_t kSelAdd = 0x7Fu;
+constexpr uint32_t kSelTable = 0xA2548010u;
 
 __device__ __forceinline__ uint32_t pair_selector(uint32_t kept) {
   const uint32_t f = ptx::mul_hi(kept, 4u);  // kept >> 30, on the FMA pipe
-  return ptx::prmt(kPairSelLo, kPairSelHi, f * 0x21u);
+  return ptx::prmt(0u, kSelTable, f * kSelMul + kSelAdd);
 }
 
 // Decodes this warp's TCTile row of one GroupTile from its published pairs and multiplies it
@@ -212,19 +220,20 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
   // its run, for both GroupTiles at once: the two counts travel packed in 16-bit fields (at
   // most 4096 each) through one reduction and one 5-step scan. The second GroupTile's bitmap
   // is read even when the stage holds only one; its fields are then unused.
+  // (The fields are packed with a multiply-add: one FMA-pipe instruction, not a shift and an OR.)
   const uint32_t h0 = bm32[32 * warp + lane], h1 = bm32[4 * 32 + 32 * warp + lane];
   uint32_t before = 0;  // set bits in the TCTile rows of the warps above
 #pragma unroll
   for (int w = 0; w < kWarps - 1; ++w)
-    if (w < warp) before += __popc(bm32[32 * w + lane]) | (__popc(bm32[4 * 32 + 32 * w + lane]) << 16);
+    if (w < warp) before += __popc(bm32[4 * 32 + 32 * w + lane]) * 65536u + __popc(bm32[32 * w + lane]);
   before = __reduce_add_sync(kFull, before);
-  const uint32_t cnt = __popc(h0) | (__popc(h1) << 16);
+  const uint32_t cnt = __popc(h1) * 65536u + __popc(h0);
   uint32_t incl = cnt;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint32_t t = __shfl_up_sync(kFull, incl, d);
-    if (lane >= d) incl += t;
-  }
+  incl = ptx::scan_up_add<1>(incl);
+  incl = ptx::scan_up_add<2>(incl);
+  incl = ptx::scan_up_add<4>(incl);
+  incl = ptx::scan_up_add<8>(incl);
+  incl = ptx::scan_up_add<16>(incl);
   const uint32_t excl = before + incl - cnt;  // per field: no borrow, incl >= cnt
   const int p0 = excl & 0xffff, p1 = excl >> 16;
   const int last0 = max(r.split - 1, 0), last1 = max(r.total - r.split - 1, 0);  // clamp targets
@@ -284,7 +293,6 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
     load_offsets(args, b, grid_k, s_off, tid, kBlock);
     const int64_t first_gtile = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
 
-    if (tid < L::kZeroBytes / 4) reinterpret_cast<uint32_t*>(smem + lay.zero_offset())[tid] = 0u;
     if constexpr (kBulk) {
       if (tid == 0) {
         for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], 1);
@@ -347,19 +355,20 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-    // This lane's row address for ldmatrix.x4: matrix lane/8 is (TCTile +lane/16, k half
-    // (lane/8)%2), row lane%8 of each n8 block; rows of tokens past N read the zero row.
-    const uint32_t x_col = (16 * (lane / 16) + 8 * ((lane / 8) % 2)) * 2;
-    const uint32_t zero_lane = ptx::smem_addr(smem + lay.zero_offset()) + x_col;
+    // This lane's row address for ldmatrix.x4, relative to its stage: matrix lane/8 is (TCTile
+    // +lane/16, k half (lane/8)%2), row lane%8 of each n8 block; tokens past N read the last
+    // valid token's row (their output columns are discarded). One add per stage and n8 block
+    // where a compare and a select against a row of zeros ran before.
+    uint32_t x_lane[BN / 8];
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+      x_lane[nb] = lay.x_offset + min(nb * 8 + lane % 8, b.valid_rows - 1) * kXStride * 2 +
+                   (16 * (lane / 16) + 8 * ((lane / 8) % 2)) * 2;
     auto compute = [&](int stage, int p) {
       const unsigned char* st = smem + stage * lay.stage_bytes;
-      const uint32_t x_stage = ptx::smem_addr(st + lay.x_offset) + x_col;
       uint32_t xa[BN / 8];
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb) {
-        const int row = nb * 8 + lane % 8;
-        xa[nb] = row < b.valid_rows ? x_stage + row * kXStride * 2 : zero_lane;
-      }
+      for (int nb = 0; nb < BN / 8; ++nb) xa[nb] = ptx::smem_addr(st) + x_lane[nb];
       decode_stage<kBF16, BN, kLean>(reinterpret_cast<const uint32_t*>(st),
                                      reinterpret_cast<const uint16_t*>(st + L::kValueOffset),
                                      pair_runs(s_off, b.nk, p, args.value_cap), xa, s_pack[warp], warp, lane, acc);
@@ -430,11 +439,33 @@ int smem_bytes(int k_per_split, int value_cap, int stages, int n) {
   return Layout<BN>(value_cap, stages, n).smem_bytes(k_per_split);
 }
 
+// The kernel variant a plan launches.
 template <bool kBF16, int BN>
-cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream) {
+auto kernel_for(const SpmmPlan& plan) {
   auto kernel = plan.bulk ? (plan.lean ? spmm_smbd_kernel<kBF16, BN, true, true> : spmm_smbd_kernel<kBF16, BN, true, false>)
                           : (plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true>
                                        : spmm_smbd_kernel<kBF16, BN, false, false>);
+  return kernel;
+}
+
+// Blocks of this plan's kernel that fit on one SM at its shared memory (CUDA's occupancy
+// calculator), or 0 where the query fails.
+template <bool kBF16, int BN>
+int resident_blocks(const SpmmPlan& plan) {
+  auto kernel = kernel_for<kBF16, BN>(plan);
+  int blocks = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.bulk ? kThreads<true> : kThreads<false>,
+                                                    plan.smem_bytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed query is not the caller's error; the launch reports its own
+    return 0;
+  }
+  return blocks;
+}
+
+template <bool kBF16, int BN>
+cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream) {
+  auto kernel = kernel_for<kBF16, BN>(plan);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(plan.n_tiles, plan.grid_m, plan.splits);
@@ -443,10 +474,12 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
 }
 
 #define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64)
-#define SPINFER_SMBD_INSTANTIATE_ONE(BF16, BN) \
-  template cudaError_t launch<BF16, BN>(const SpmmArgs&, const SpmmPlan&, cudaStream_t);
-#define SPINFER_SMBD_EXTERN_ONE(BF16, BN) \
-  extern template cudaError_t launch<BF16, BN>(const SpmmArgs&, const SpmmPlan&, cudaStream_t);
+#define SPINFER_SMBD_INSTANTIATE_ONE(BF16, BN)                                       \
+  template cudaError_t launch<BF16, BN>(const SpmmArgs&, const SpmmPlan&, cudaStream_t); \
+  template int resident_blocks<BF16, BN>(const SpmmPlan&);
+#define SPINFER_SMBD_EXTERN_ONE(BF16, BN)                                                   \
+  extern template cudaError_t launch<BF16, BN>(const SpmmArgs&, const SpmmPlan&, cudaStream_t); \
+  extern template int resident_blocks<BF16, BN>(const SpmmPlan&);
 
 }  // namespace smbd
 }  // namespace spinfer

@@ -81,13 +81,14 @@ def prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
-def smbd_fragment_prmt(words, values: np.ndarray, table_lo: int, table_hi: int) -> np.ndarray:
+def smbd_fragment_prmt(words, values: np.ndarray, sel_mul: int, sel_add: int, sel_table: int) -> np.ndarray:
     """Decode one TCTile with the kernel's v8 word arithmetic (``decode_gt`` in
     ``spinfer/csrc/spmm_smbd.cuh``): per lane and word, ``kept = half << (30 - lp)`` keeps the
     bits up to the lane's pair, ``e = popc(kept)`` is one past the pair's last value, the
     candidates are ``values[e - 2]`` and ``values[e - 1]`` (zero-extended; before the run they
-    read whatever precedes it, here a poison value), and two ``prmt`` with the selector table
-    ``(table_lo, table_hi)`` build the register. Returns ``[32 lanes, 4 registers, 2 halves]``."""
+    read whatever precedes it, here a poison value); ``f`` = the pair's two bits, the selector is
+    ``prmt(0, sel_table, sel_mul * f + sel_add)`` and ``prmt(u0, u1, selector)`` builds the
+    register. Returns ``[32 lanes, 4 registers, 2 halves]``."""
     words = [int(w) & 0xFFFF_FFFF_FFFF_FFFF for w in words]
     bits16 = values.view(np.uint16).astype(np.int64)
     frag = np.zeros((LANES, 4), dtype=np.uint32)
@@ -103,7 +104,7 @@ def smbd_fragment_prmt(words, values: np.ndarray, table_lo: int, table_hi: int) 
             u0 = int(bits16[e - 2]) if e - 2 >= 0 else poison
             u1 = int(bits16[e - 1]) if e - 1 >= 0 else poison
             f = (kept * 4) >> 32
-            sel = prmt(table_lo, table_hi, f * 0x21)
+            sel = prmt(0, sel_table, (f * sel_mul + sel_add) & 0xFFFF_FFFF)
             frag[lane, j] = prmt(u0, u1, sel)
         base += popcount_int(word)
     return frag.view(np.uint16).reshape(LANES, 4, 2).view(values.dtype)

@@ -151,7 +151,7 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   const bool bf16 = p.x.scalar_type() == at::kBFloat16;
   const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
   const SpmmPlan plan =
-      spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap, p.x.get_device(),
+      spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap, bf16, p.x.get_device(),
                      static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   const SplitK split(plan.splits, plan.workspace_floats, plan.counters, p.x.options());
   at::Tensor offsets = gtile_offset.contiguous();

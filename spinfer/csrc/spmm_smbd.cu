@@ -1,7 +1,11 @@
 // Planning and dispatch of the SMBD SpMM kernel: tile width by N, split-K by SM count.
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "spmm_smbd.cuh"
 
@@ -32,19 +36,59 @@ struct LaunchF {
     return a->bf16 ? launch<true, BN>(*a, *p, s) : launch<false, BN>(*a, *p, s);
   }
 };
+template <int BN>
+struct ResidentF {
+  static int run(const SpmmPlan* p, bool bf16) {
+    return bf16 ? resident_blocks<true, BN>(*p) : resident_blocks<false, BN>(*p);
+  }
+};
 
-// Split-K factor, fitted to H100 measurements (docs/kernels.md). Enough blocks per SM lets the
-// block scheduler balance a latency-bound kernel: 28672x8192 at N<=16 ran 20-35% faster with 4
-// splits (~13 blocks per SM) than with 1 or 2. But each split pays a pipeline prologue and a
-// partial-tile reduction: 4096x14336 ran 15-35% slower with 25 splits of 9 GroupTiles than
-// with 8 splits of 28. So: ~12 blocks per SM, and at least min(28, grid_k/8) GroupTiles per
-// split.
-int choose_splits(int base_blocks, int sms, int grid_k) {
-  constexpr int kBlocksPerSm = 12;
-  const int min_per_split = std::max(1, std::min(28, grid_k / 8));
-  const int max_splits = std::max(1, grid_k / min_per_split);
-  const int want = (kBlocksPerSm * sms + base_blocks - 1) / base_blocks;
-  return std::max(1, std::min(want, max_splits));
+// Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
+// dtype, variant, shared memory): the split rule asks for up to 16 candidates per call.
+int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
+  static std::mutex mutex;
+  static std::map<std::array<int, 5>, int> cache;
+  const std::array<int, 5> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.smem_bytes};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  return cache[key] = by_tile<ResidentF>(p.bn, &p, bf16);
+}
+
+// GroupTiles per split for a split-K factor: whole pairs (the pipeline moves GroupTiles in
+// pairs), so only the last stage of the last split can be odd.
+int per_split(int grid_k, int splits) {
+  int k_per_split = (grid_k + splits - 1) / splits;
+  if (k_per_split < grid_k) k_per_split = (k_per_split + 1) / 2 * 2;
+  return k_per_split;
+}
+
+// Split-K factor (docs/kernels.md, fourteenth session). A block is latency-bound, so an SM runs
+// fastest with as many resident blocks as fit, and a launch ends with its last blocks. The rule
+// counts the rounds of resident blocks a grid needs, ceil(blocks / (0.9 x the device's resident
+// blocks)), and takes the split count with the least (GroupTiles per split + 4) x rounds. The
+// 0.9 keeps a grid that nearly fills the device out of a second round in which a few blocks
+// run alone (28672x8192 at N = 1 with 3 splits, 1.13 rounds: 25% slower than 2 splits); the 4
+// is a round's fixed cost in GroupTiles (its first stages). Splits keep at least min(28,
+// grid_k / 8) GroupTiles: 4096x14336 ran 15-35% slower with 25 splits of 9 than with 8 of 28.
+// `resident(k_per_split)` gives the blocks per SM of the kernel at that split's shared memory.
+template <typename Resident>
+int choose_splits(const SpmmPlan& p, Resident resident, int sms) {
+  const int min_per_split = std::max(1, std::min(28, p.grid_k / 8));
+  const int max_splits = std::max(1, p.grid_k / min_per_split);
+  const int64_t base = static_cast<int64_t>(p.grid_m) * p.n_tiles;
+  int best = 1;
+  double best_cost = 0;
+  for (int s = 1, last = 0; s <= max_splits; ++s) {
+    const int kps = per_split(p.grid_k, s), splits = (p.grid_k + kps - 1) / kps;
+    if (splits == last) continue;  // the same grid as a smaller s
+    last = splits;
+    const int slots = resident(kps) * sms;
+    if (slots <= 0) continue;  // the query failed: keep what the other counts give
+    const double rounds = std::ceil(static_cast<double>(base * splits) / (0.9 * slots));
+    const double cost = (kps + 4.0) * rounds;
+    if (best_cost == 0 || cost < best_cost) best = splits, best_cost = cost;
+  }
+  return best;
 }
 
 int env_int(const char* name, int fallback) {
@@ -55,7 +99,7 @@ int env_int(const char* name, int fallback) {
 }  // namespace
 }  // namespace smbd
 
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, int splits_wanted) {
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device, int splits_wanted) {
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
@@ -74,15 +118,21 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, int split
   p.lean = p.bn <= 16;
   if (const char* decode = std::getenv("SPINFER_DECODE")) p.lean = std::strcmp(decode, "safe") != 0;
   p.stages = std::min(kMaxStages, std::max(2, env_int("SPINFER_STAGES", 2)));
-  int splits = choose_splits(p.grid_m * p.n_tiles, sms, p.grid_k);
-  if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
-  if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);
-  // Splits hold whole pairs of GroupTiles, so only the last stage of the last split can be odd.
-  p.k_per_split = (p.grid_k + splits - 1) / splits;
-  if (p.k_per_split < p.grid_k) p.k_per_split = (p.k_per_split + 1) / 2 * 2;
-  p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
   const int cap = env_int("SPINFER_VALUE_CAP", max_run);
   p.value_cap = std::max(8, std::min(kMaxValues, (cap + 7) / 8 * 8));
+  int splits = 0;
+  if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
+  if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);
+  if (splits == 0) {
+    const auto resident = [&](int k_per_split) {
+      SpmmPlan q = p;
+      q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n);
+      return resident_blocks_cached(q, bf16, device);
+    };
+    splits = choose_splits(p, resident, sms);
+  }
+  p.k_per_split = per_split(p.grid_k, splits);
+  p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
   p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n);
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.grid_m;

@@ -40,14 +40,15 @@ struct SpmmPlan {
                     // offsets clamped per word (BN >= 32); SPINFER_DECODE=lean|safe overrides
 };
 
-// Tile size, split-K, pipeline depth, loader and workspace for a problem on `device`.
+// Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:
+// the dtype, whose kernels' occupancy the split rule asks for).
 // splits > 0: that split-K factor (capped at the GroupTile columns), as tuned by
 // spinfer.tuning; 0: the planner's rule. For A/B runs and tests SPINFER_SPLITS overrides the
 // rule (not an explicit splits), SPINFER_STAGES (2..4) the pipeline depth and
 // SPINFER_LOADER=cp_async the loader.
 // max_run is the weight's longest GroupTile run (TCABME.max_run); SPINFER_VALUE_CAP overrides
 // the value buffer size (for A/B runs; a value below max_run truncates runs).
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, int device, int splits);
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device, int splits);
 
 cudaError_t spmm_smbd_run(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 

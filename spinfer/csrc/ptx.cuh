@@ -84,7 +84,8 @@ __device__ __forceinline__ uint32_t mul_hi(uint32_t a, uint32_t b) {
 }
 
 // Byte permute with the hardware's selector: each nibble's bit 3 replicates the chosen byte's
-// sign. __byte_perm masks that bit off with an extra LOP3 per call; callers here never set it.
+// sign (the SMBD pair selector uses that for its zero bytes). __byte_perm masks the bit off with
+// an extra LOP3 per call.
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));

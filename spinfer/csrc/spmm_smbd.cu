@@ -83,7 +83,7 @@ int choose_splits(const SpmmPlan& p, Resident resident, int sms) {
     if (splits == last) continue;  // the same grid as a smaller s
     last = splits;
     const int slots = resident(kps) * sms;
-    if (slots <= 0) continue;  // the query failed: keep what the other counts give
+    if (slots <= 0) continue;  // the query failed: keep what the other counts give (none: 1)
     const double rounds = std::ceil(static_cast<double>(base * splits) / (0.9 * slots));
     const double cost = (kps + 4.0) * rounds;
     if (best_cost == 0 || cost < best_cost) best = splits, best_cost = cost;

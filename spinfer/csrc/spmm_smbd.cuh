@@ -144,9 +144,9 @@ __device__ __forceinline__ PairRuns pair_runs(const int* s_off, int nk, int p, i
 //   f = 3: 4 -> 10, u0                              | 6 -> 54, u1
 // The zero source takes the place of a second table register: an 8-byte table in two
 // registers cost an extra move per word (the compiler kept one half in a uniform register,
-// which a permute cannot read). No affine index L(f) reaches an 8-byte table with both
-// halves in immediates, nor a selector S(f) directly (checked by enumeration). ALU work per
-// word: a PopCount and two permutes; FMA pipe: the kept, address, f and L multiplies.
+// which a permute cannot read). No affine function of f is the selector S(f) itself (checked
+// by enumeration), so the lookup stays. ALU work per word: a PopCount and two permutes; FMA
+// pipe: the kept, address, f and L multiplies.
 constexpr uint32_t kSelMul = 0xF7u;
 constexpr uint32_t kSelAdd = 0x7Fu;
 constexpr uint32_t kSelTable = 0xA2548010u;

@@ -12,10 +12,12 @@ import spinfer
 from spinfer.format import TCABME
 
 spinfer.build.load_extension()
-for m, k, n, splits, stages in [(64, 64, 1, "1", "2"), (4097, 1000, 7, "1", "3"), (4097, 1000, 9, "3", "2"),
-                                (200, 700, 33, "2", "4"), (300, 1450, 5, "3", "3")]:
+for m, k, n, splits, stages, decode in [(64, 64, 1, "1", "2", "lean"), (4097, 1000, 7, "1", "3", "safe"),
+                                        (4097, 1000, 9, "3", "2", "lean"), (200, 700, 33, "2", "4", "safe"),
+                                        (300, 1450, 5, "3", "3", "lean"), (300, 1450, 24, "2", "2", "lean")]:
     os.environ["SPINFER_SPLITS"] = splits
     os.environ["SPINFER_STAGES"] = stages
+    os.environ["SPINFER_DECODE"] = decode
     for dt in (torch.float16, torch.bfloat16):
         w = torch.randn(m, k, device="cuda").to(dt)
         w[torch.rand(m, k, device="cuda") < 0.5] = 0

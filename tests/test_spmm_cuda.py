@@ -2,6 +2,7 @@
 first), fresh random data, the shapes and sparsities of issue 3, adversarial patterns, split-K
 on and off, CUDA graphs, torch.compile and bad input.  Skipped without a GPU."""
 
+import math
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 import spinfer
 from spinfer.format import TCABME
+from spinfer.ops.spmm import PLAN_FIELDS, spmm_plan
 from tests.conftest import rel_err
 from tests.test_tca_bme import random_sparse
 
@@ -50,7 +52,79 @@ def _ext():
 @pytest.mark.parametrize("m", [64, 4097, 14336])
 def test_matches_float64(m, k, sparsity, dtype):
     w = random_sparse((m, k), sparsity, dtype, device="cuda")
-    check(w, [1, 7, 8, 16, 33, 256], dtype, with_bias=(m % 2 == 1))
+    check(w, [1, 7, 8, 16, 32, 33, 256], dtype, with_bias=(m % 2 == 1))  # every token tile: 8, 16, 32, 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decode", ["lean", "safe"])
+def test_decode_variants_forced(monkeypatch, decode, dtype):
+    """Both decode variants at every token tile (N = 1, 16, 24, 64: BN 8, 16, 32, 64), on an odd
+    shape with split-K from the planner; the plan reports the variant the environment forced."""
+    monkeypatch.setenv("SPINFER_DECODE", decode)
+    w = random_sparse((4097, 1000), 0.5, dtype, device="cuda")
+    check(w, [1, 16, 24, 64], dtype)
+    enc = TCABME.from_dense(w)
+    for n in (1, 16, 24, 64):
+        assert spmm_plan(enc, n, dtype=dtype)["lean"] == (decode == "lean")
+
+
+def test_plan_reports_the_launch():
+    """spmm_plan: the tile by N, the GroupTile grid, a forced split factor, and a default of the
+    lean decode at every tile."""
+    w = random_sparse((300, 1450), 0.5, torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+    for n, bn in [(1, 8), (9, 16), (17, 32), (32, 32), (33, 64), (300, 64)]:
+        p = spmm_plan(enc, n)
+        assert (p["bn"], p["n_tiles"], p["grid_m"], p["grid_k"]) == (bn, -(-n // bn), 5, 23)
+        assert p["lean"] and p["resident_blocks"] >= 1 and p["stages"] == 2
+        assert p["splits"] * p["k_per_split"] >= 23 > (p["splits"] - 1) * p["k_per_split"]
+    assert spmm_plan(enc, 1, splits=3)["splits"] == 3
+    assert spmm_plan(enc, 1, splits=3)["k_per_split"] == 8  # 23 GroupTiles: whole pairs per split
+    with pytest.raises(ValueError, match="n must be"):
+        spmm_plan(enc, 0)
+    with pytest.raises(ValueError, match="CUDA kernel"):
+        spmm_plan(enc, 1, device="cpu")
+
+
+def rule_splits(m, k, max_run, n, dtype):
+    """The planner's split rule written out from its definition (docs/kernels.md, spmm_smbd.cu):
+    over split counts s, GroupTiles per split kps = ceil(grid_k / s) rounded up to a pair (when
+    split), at least min(28, grid_k / 8) of them; cost (kps + 4) x ceil(blocks / (0.9 x resident
+    blocks per SM x SMs)), the first least cost wins. Each candidate's resident blocks come from
+    the planner's own plan with that factor forced."""
+    x = torch.empty((n, 1), dtype=dtype, device="cuda").expand(n, k)
+    plan = lambda splits: dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, splits)))
+    auto = plan(0)
+    grid_k, base = auto["grid_k"], auto["grid_m"] * auto["n_tiles"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    min_per_split = max(1, min(28, grid_k // 8))
+    best, best_cost, last = 1, None, 0
+    for s in range(1, max(1, grid_k // min_per_split) + 1):
+        kps = -(-grid_k // s)
+        if kps < grid_k:
+            kps = (kps + 1) // 2 * 2
+        splits = -(-grid_k // kps)
+        if splits == last:
+            continue
+        last = splits
+        forced = plan(splits)
+        assert forced["k_per_split"] == kps, (s, forced)
+        cost = (kps + 4) * math.ceil(base * splits / (0.9 * forced["resident_blocks"] * sms))
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return auto["splits"], best
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_rule_picks_the_least_cost(dtype, monkeypatch):
+    """The split count the planner launches is the one its rule defines, on the issue's shapes
+    (longest runs of 30 / 50 / 70% sparsity) and narrow and odd ones, N from 1 to 64."""
+    monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+    for m, k, max_run in [(28672, 8192, 2200), (8192, 28672, 2200), (14336, 4096, 1360), (4096, 14336, 3000),
+                          (4096, 4096, 2200), (4097, 1000, 2200), (300, 1450, 4096)]:
+        for n in (1, 8, 16, 32, 64):
+            chosen, defined = rule_splits(m, k, max_run, n, dtype)
+            assert chosen == defined, f"{m}x{k} max_run {max_run} N={n}: planner {chosen}, rule {defined}"
 
 
 @pytest.mark.parametrize("stages", ["2", "3", "4"])

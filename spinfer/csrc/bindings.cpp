@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "lowbit_mm.h"
 #include "spmm_smbd.h"
@@ -291,10 +292,27 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   C10_CUDA_CHECK(lowbit_mm_run(a, plan, at::cuda::getCurrentCUDAStream()));
 }
 
+// The launch configuration the planner picks for x's N, dtype and device and an [m, k] weight
+// whose longest GroupTile run is max_run (spinfer.ops.spmm.spmm_plan names the fields). A host
+// query for tests and tuning; the Python wrapper checks its arguments.
+std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, int64_t max_run, int64_t splits) {
+  TORCH_CHECK_VALUE(x.is_cuda() && x.dim() == 2 && x.size(0) >= 1 && m >= 1 && k >= 1 && splits >= 0,
+                    "spmm_plan: bad arguments");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t kp = (k + kGt - 1) / kGt * kGt;
+  const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
+  const SpmmPlan p = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(x.size(0)), static_cast<int>(kp), cap,
+                                    x.scalar_type() == at::kBFloat16, x.get_device(),
+                                    static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
+  return {p.bn, p.n_tiles, p.grid_m, p.grid_k, p.splits, p.k_per_split, p.stages, p.value_cap, p.smem_bytes,
+          p.resident_blocks, p.lean, p.bulk};
+}
+
 }  // namespace
 }  // namespace spinfer
 
 TORCH_LIBRARY_IMPL(spinfer, CUDA, m) {
+  m.impl("spmm_plan", &spinfer::spmm_plan_cuda);
   m.impl("spmm", &spinfer::spmm_cuda);
   m.impl("spmm_out", &spinfer::spmm_out_cuda);
   m.impl("lowbit_mm_out", &spinfer::lowbit_mm_out_cuda);

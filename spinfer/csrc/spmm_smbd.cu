@@ -44,7 +44,7 @@ struct ResidentF {
 };
 
 // Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
-// dtype, variant, shared memory): the split rule asks for up to 16 candidates per call.
+// dtype, variant, shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
   static std::mutex mutex;
   static std::map<std::array<int, 5>, int> cache;
@@ -96,6 +96,27 @@ int env_int(const char* name, int fallback) {
   return v ? std::atoi(v) : fallback;
 }
 
+// The rule's split count, kept per (device, dtype, variant, stages, value buffer, grid): the rule
+// asks the occupancy of up to 16 candidates, so an eager call looks up one entry instead.
+int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
+  static std::mutex mutex;
+  static std::map<std::array<int, 10>, int> cache;
+  const std::array<int, 10> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.stages, p.value_cap,
+                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn)};
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  const auto resident = [&](int k_per_split) {
+    SpmmPlan q = p;
+    q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n);
+    return resident_blocks_cached(q, bf16, device);
+  };
+  const int splits = choose_splits(p, resident, sms);
+  const std::lock_guard<std::mutex> lock(mutex);
+  return cache[key] = splits;
+}
+
 }  // namespace
 }  // namespace smbd
 
@@ -112,10 +133,12 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const char* loader = std::getenv("SPINFER_LOADER");
   p.bulk = major >= 9 && !(loader && std::strcmp(loader, "cp_async") == 0);
   p.pdl = use_pdl(major);
-  // Decode variant, by same-process A/B on H100: the lean decode (prefix published as a shared
-  // address, clamped once per GroupTile) is 4-11% faster at BN <= 16 and 3-10% slower at BN = 32
-  // than the per-word clamped one. SPINFER_DECODE=lean|safe overrides.
-  p.lean = p.bn <= 16;
+  // Decode variant: the lean decode (prefix published as a shared address, clamped once per
+  // GroupTile) against the per-word clamped one, same-process A/B on H100. It was 4-11% faster
+  // at BN <= 16 and 3-10% slower at BN = 32 when it came (v6); since v9 (fewer registers, no
+  // spills) it is also faster at BN = 32 and 64 (docs/kernels.md, fifteenth session).
+  // SPINFER_DECODE=lean|safe overrides.
+  p.lean = true;
   if (const char* decode = std::getenv("SPINFER_DECODE")) p.lean = std::strcmp(decode, "safe") != 0;
   p.stages = std::min(kMaxStages, std::max(2, env_int("SPINFER_STAGES", 2)));
   const int cap = env_int("SPINFER_VALUE_CAP", max_run);
@@ -123,17 +146,11 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);
-  if (splits == 0) {
-    const auto resident = [&](int k_per_split) {
-      SpmmPlan q = p;
-      q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n);
-      return resident_blocks_cached(q, bf16, device);
-    };
-    splits = choose_splits(p, resident, sms);
-  }
+  if (splits == 0) splits = splits_cached(p, bf16, device, n, sms);
   p.k_per_split = per_split(p.grid_k, splits);
   p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
   p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n);
+  p.resident_blocks = resident_blocks_cached(p, bf16, device);
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.grid_m;
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt;

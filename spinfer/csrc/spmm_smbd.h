@@ -34,10 +34,11 @@ struct SpmmPlan {
   int counters;
   int value_cap;    // longest value run rounded up to 8, in [8, 4096]
   int smem_bytes;
+  int resident_blocks;  // blocks of this plan's kernel per SM (occupancy calculator; 0: unknown)
   bool bulk;        // sm_90 bulk-copy loader; false: cp.async (sm_80, or SPINFER_LOADER=cp_async)
   bool pdl;         // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
-  bool lean;        // decode variant: prefix as a shared address clamped once (BN <= 16) or
-                    // offsets clamped per word (BN >= 32); SPINFER_DECODE=lean|safe overrides
+  bool lean;        // decode variant: prefix as a shared address clamped once (the default) or
+                    // offsets clamped per word (SPINFER_DECODE=safe)
 };
 
 // Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:

@@ -22,6 +22,9 @@ LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")
 # Writes into a caller-provided [N, M] buffer: static buffers for CUDA graphs, and tests that
 # poison the output before the launch.
 LIB.define(f"spmm_out({_SPMM_ARGS}, *, Tensor(a!) out) -> ()")
+# The CUDA planner's launch configuration for x's N, dtype and device (spinfer.ops.spmm.spmm_plan):
+# a host-side query with no fake implementation, not meant for compiled graphs.
+LIB.define("spmm_plan(Tensor x, int m, int k, int max_run, int splits=0) -> int[]")
 
 # Weight-only low-bit matmul: y = x @ dequantize(W).T + bias (spinfer/quant/lowbit.py layout).
 _LOWBIT_ARGS = (

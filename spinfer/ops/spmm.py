@@ -86,3 +86,37 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
         x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits
     )
     return y.reshape(*lead, m)
+
+
+# Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
+PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
+               "resident_blocks", "lean", "bulk")
+
+
+def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
+              splits: int = 0) -> dict:
+    """The launch configuration the CUDA kernel's planner picks for ``weight`` at ``n`` tokens of
+    ``dtype`` on ``device``: token tile ``bn`` and ``n_tiles``, the GroupTile grid, ``splits``
+    (``splits=0``: the planner's rule, else that factor) and ``k_per_split``, pipeline
+    ``stages``, the value buffer, shared memory per block, ``resident_blocks`` per SM (CUDA's
+    occupancy calculator; 0 if unknown) and the decode and loader variants. Environment
+    overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a launch."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"spmm_plan describes the CUDA kernel; got device {device}")
+    if not isinstance(weight, TCABME):
+        raise TypeError(f"weight must be a TCABME, got {type(weight).__name__}")
+    if weight.group_tile != (64, 64):
+        raise ValueError(f"the CUDA kernel supports GroupTile (64, 64), this weight uses {weight.group_tile}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    splits = check_splits(splits) or 0
+    build.load_extension()
+    m, k = weight.shape
+    x = torch.empty((n, 1), dtype=dtype, device=device).expand(n, k)  # only N, dtype and device are read
+    values = torch.ops.spinfer.spmm_plan(x, m, k, weight.max_run, splits)
+    plan = dict(zip(PLAN_FIELDS, values))
+    plan["lean"], plan["bulk"] = bool(plan["lean"]), bool(plan["bulk"])
+    return plan

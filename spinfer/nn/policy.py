@@ -25,7 +25,10 @@ SPMM = "spmm"  # SMBD kernel on TCA-BME
 DECODE_DENSE = "decode+dense"  # TCA-BME decoded to dense per call, then F.linear (large N)
 LOWBIT = "lowbit"  # spinfer.lowbit_mm
 
-N_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 1024)
+# Prefill sizes get buckets of their own: with the measured decode-to-dense rate (0.14 TB/s on
+# H100) SpMM stays ahead of decode+dense up to ~1500-2000 tokens on the large layers, so one
+# bucket for everything from 1024 up would run SpMM on long prompts, ~3x slower at 8192.
+N_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 1024, 2048, 4096, 8192)
 
 
 def n_bucket(n: int) -> int:
@@ -41,24 +44,25 @@ class DeviceProfile:
     """Device constants of the cost model (seconds, bytes/s, FLOP/s)."""
 
     name: str = "NVIDIA H100 80GB HBM3 (defaults measured 2026-11-22)"
-    dense_bandwidth: float = 2.7e12  # bytes/s cuBLAS streams a dense fp16 weight at
-    # bytes/s the SMBD kernel reaches when bytes dominate: refitted to v8 at 30% (28672x8192
-    # 149 us for 358 MB; 4096x14336 45 us for 90 MB); 1.85e12 stored those two large layers
-    # dense, 6-13% slower than SpMM. 2.2e12 to 2.4e12 all choose the faster format for the 18
-    # layers of `spinfer bench policy`.
-    sparse_bandwidth: float = 2.3e12
-    tensor_flops: float = 6.0e14  # dense fp16 FLOP/s at large N
-    launch: float = 6e-6  # fixed cost per kernel call
-    # The SMBD kernel's fixed cost (launch, split-K counter reset, pipeline fill and the
-    # reduction) and its decode cost per GroupTile (64x64) on the whole GPU by token tile BN
-    # (N > 64 pays the BN=64 cost once per 64 tokens): fitted to the v7 kernel on H100 at 50%,
-    # 4096x4096 and 28672x8192 (spinfer bench spmm, 2026-11-22: 21.0 and 120.2 us at N=1;
-    # 137 / 171 / 314 us at N = 16 / 32 / 64). The fixed cost decides small layers for dense.
-    spmm_launch: float = 1.35e-5
-    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.86e-9, 16: 2.16e-9, 32: 2.75e-9, 64: 5.24e-9})
-    # bytes/s of TCA-BME -> dense (or low-bit -> dense) with torch ops: an estimate, not a
-    # measurement; calibrate() measures it
-    decode_bandwidth: float = 4.0e11
+    # The defaults are calibrate() on an H100 80GB HBM3 with the SMBD kernel v9 (lean decode,
+    # occupancy split rule), two runs agreeing within 1.5% (docs/policy.md, fifteenth session).
+    # Before, they were fitted to kernel v7, and kept 4096x4096 and 6144x4096 layers dense where
+    # SpMM is now 10% faster at N = 1.
+    dense_bandwidth: float = 2.8e12  # bytes/s cuBLAS streams a dense fp16 weight at
+    # bytes/s the SMBD kernel reaches when bytes dominate (the large layer's bytes over its time
+    # above the fixed cost, at 50%)
+    sparse_bandwidth: float = 2.5e12
+    tensor_flops: float = 7.6e14  # dense fp16 FLOP/s at large N
+    launch: float = 4.4e-6  # fixed cost per kernel call (a 64x64 F.linear)
+    # The SMBD kernel's fixed cost (launch, pipeline fill and the split-K reduction): the
+    # intercept of its N = 1 time against bytes through 4096x4096 and 16384x8192 at 50%; and its
+    # decode cost per GroupTile (64x64) on the whole GPU by token tile BN (N > 64 pays the BN=64
+    # cost once per 64 tokens): the large layer's time above the fixed cost per GroupTile. The
+    # fixed cost decides small layers for dense (1024x4096: 11 us as SpMM, 9.8 dense).
+    spmm_launch: float = 8.6e-6
+    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.84e-9, 16: 2.10e-9, 32: 2.44e-9, 64: 4.20e-9})
+    # bytes/s of TCA-BME -> dense (or low-bit -> dense) with torch ops, per call
+    decode_bandwidth: float = 1.4e11
     # The fused low-bit kernel: bytes/s of its packed weight at N = 1, and the token count that
     # doubles its time (fitted to bench_lowbit on H100, 2026-11-22 after the warp-group change:
     # 28672x8192 4-bit 58 / 96 / 121 / 221 us at N = 1 / 16 / 32 / 64; the fit gives 57 / 91 /
@@ -141,18 +145,26 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     launch = median_time(lambda: torch.nn.functional.linear(tiny[:1], tiny), dev, reps=50, flush_l2=False)
     w[torch.rand(m, k, device=dev) < 0.5] = 0
     enc = TCABME.from_dense(w)
-    ngt = enc.geometry.num_group_tiles
-    small = torch.randn(1024, 4096, device=dev).half()
-    small[torch.rand(1024, 4096, device=dev) < 0.5] = 0
+    ngt, large_bytes = enc.geometry.num_group_tiles, enc.storage_bytes().total
+    # The SpMM fixed cost is the intercept at zero bytes of the line through two 50% layers'
+    # times at N = 1, 4096x4096 and the large one. (A 1024x4096 layer's own time, used before,
+    # overstated it: its few blocks stream slowly, and 4096x4096 stayed dense where SpMM is 10%
+    # faster on H100.)
+    small = torch.randn(4096, 4096, device=dev).half()
+    small[torch.rand(4096, 4096, device=dev) < 0.5] = 0
     small_enc, xs = TCABME.from_dense(small), torch.randn(1, 4096, device=dev).half()
-    spmm_launch = median_time(lambda: spmm(xs, small_enc), dev, reps=30)  # a layer too small to matter
+    t_small = median_time(lambda: spmm(xs, small_enc), dev, reps=30)
+    t_large = median_time(lambda: spmm(x1, enc), dev, reps=20)
+    small_bytes = small_enc.storage_bytes().total
+    slope = (t_large - t_small) / (large_bytes - small_bytes)
+    spmm_launch = max(t_small - slope * small_bytes, 0.0)
     gt_cost = {}
     for bn in (8, 16, 32, 64):
         xb = torch.randn(bn, k, device=dev).half()
         gt_cost[bn] = max(median_time(lambda: spmm(xb, enc), dev, reps=20) - spmm_launch, 0.0) / ngt
     td = median_time(enc.to_dense, dev, reps=5)
     prof = DeviceProfile(name=torch.cuda.get_device_name(dev), dense_bandwidth=dense_bw,
-                         sparse_bandwidth=enc.storage_bytes().total / (gt_cost[8] * ngt), tensor_flops=flops,
+                         sparse_bandwidth=large_bytes / (gt_cost[8] * ngt), tensor_flops=flops,
                          launch=launch, spmm_launch=spmm_launch, gt_cost=gt_cost,
                          decode_bandwidth=(enc.storage_bytes().total + 2 * m * k) / td, measured=True)
     key = device_key(dev)

@@ -3,6 +3,7 @@ first), fresh random data, the shapes and sparsities of issue 3, adversarial pat
 on and off, CUDA graphs, torch.compile and bad input.  Skipped without a GPU."""
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -68,6 +69,22 @@ def test_decode_variants_forced(monkeypatch, decode, dtype):
         assert spmm_plan(enc, n, dtype=dtype)["lean"] == (decode == "lean")
 
 
+@pytest.mark.parametrize("budget", ["7", "8", "9"])
+def test_register_budgets_forced(monkeypatch, budget):
+    """Each register budget of the sm_90 kernel at BN = 8 and 16, fp16 and bf16, split and not;
+    the plan reports the one forced (the sm_80 loader has no budgets: the environment is ignored)."""
+    monkeypatch.setenv("SPINFER_MIN_BLOCKS", budget)
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1000), 0.6, dtype, device="cuda")
+        check(w, [1, 9, 16], dtype)
+        enc = TCABME.from_dense(w)
+        plan = spmm_plan(enc, 16, dtype=dtype)  # the budgets belong to the sm_90 bulk loader
+        assert plan["min_blocks"] == (int(budget) if plan["bulk"] else 0)
+        monkeypatch.setenv("SPINFER_SPLITS", "3")
+        check(w, [1, 16], dtype)
+        monkeypatch.delenv("SPINFER_SPLITS")
+
+
 def test_plan_reports_the_launch():
     """spmm_plan: the tile by N, the GroupTile grid, a forced split factor, and a default of the
     lean decode at every tile."""
@@ -78,6 +95,10 @@ def test_plan_reports_the_launch():
         assert (p["bn"], p["n_tiles"], p["grid_m"], p["grid_k"]) == (bn, -(-n // bn), 5, 23)
         assert p["lean"] and p["resident_blocks"] >= 1 and p["stages"] == 2
         assert p["splits"] * p["k_per_split"] >= 23 > (p["splits"] - 1) * p["k_per_split"]
+    for n in (1, 16, 32):
+        p = spmm_plan(enc, n)
+        assert p["min_blocks"] == (7 if p["bulk"] and n <= 16 else 0), (n, p)  # 56 registers (spmm_smbd.cu)
+        assert p["bulk"] == (torch.cuda.get_device_capability()[0] >= 9 and os.environ.get("SPINFER_LOADER") != "cp_async")
     assert spmm_plan(enc, 1, splits=3)["splits"] == 3
     assert spmm_plan(enc, 1, splits=3)["k_per_split"] == 8  # 23 GroupTiles: whole pairs per split
     with pytest.raises(ValueError, match="n must be"):
@@ -89,8 +110,8 @@ def test_plan_reports_the_launch():
 def rule_splits(m, k, max_run, n, dtype):
     """The planner's split rule written out from its definition (docs/kernels.md, spmm_smbd.cu):
     over split counts s, GroupTiles per split kps = ceil(grid_k / s) rounded up to a pair (when
-    split), at least min(28, grid_k / 8) of them; cost (kps + 4) x ceil(blocks / (0.9 x resident
-    blocks per SM x SMs)), the first least cost wins. Each candidate's resident blocks come from
+    split), at least min(28, grid_k / 8) of them; cost (kps + 4) x ceil(blocks / (resident blocks
+    per SM x SMs)), the first least cost wins. Each candidate's resident blocks come from
     the planner's own plan with that factor forced."""
     x = torch.empty((n, 1), dtype=dtype, device="cuda").expand(n, k)
     plan = lambda splits: dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, splits)))
@@ -109,7 +130,7 @@ def rule_splits(m, k, max_run, n, dtype):
         last = splits
         forced = plan(splits)
         assert forced["k_per_split"] == kps, (s, forced)
-        cost = (kps + 4) * math.ceil(base * splits / (0.9 * forced["resident_blocks"] * sms))
+        cost = (kps + 4) * math.ceil(base * splits / (forced["resident_blocks"] * sms))
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return auto["splits"], best
@@ -120,6 +141,7 @@ def test_split_rule_picks_the_least_cost(dtype, monkeypatch):
     """The split count the planner launches is the one its rule defines, on the issue's shapes
     (longest runs of 30 / 50 / 70% sparsity) and narrow and odd ones, N from 1 to 64."""
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+    monkeypatch.delenv("SPINFER_SPLIT_MARGIN", raising=False)
     for m, k, max_run in [(28672, 8192, 2200), (8192, 28672, 2200), (14336, 4096, 1360), (4096, 14336, 3000),
                           (4096, 4096, 2200), (4097, 1000, 2200), (300, 1450, 4096)]:
         for n in (1, 8, 16, 32, 64):

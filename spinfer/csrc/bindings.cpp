@@ -305,7 +305,7 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
                                     x.scalar_type() == at::kBFloat16, x.get_device(),
                                     static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   return {p.bn, p.n_tiles, p.grid_m, p.grid_k, p.splits, p.k_per_split, p.stages, p.value_cap, p.smem_bytes,
-          p.resident_blocks, p.lean, p.bulk};
+          p.resident_blocks, p.min_blocks, p.lean, p.bulk};
 }
 
 }  // namespace

@@ -47,8 +47,8 @@ struct ResidentF {
 // dtype, variant, shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
   static std::mutex mutex;
-  static std::map<std::array<int, 5>, int> cache;
-  const std::array<int, 5> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.smem_bytes};
+  static std::map<std::array<int, 6>, int> cache;
+  const std::array<int, 6> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.smem_bytes};
   const std::lock_guard<std::mutex> lock(mutex);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   return cache[key] = by_tile<ResidentF>(p.bn, &p, bf16);
@@ -62,17 +62,21 @@ int per_split(int grid_k, int splits) {
   return k_per_split;
 }
 
-// Split-K factor (docs/kernels.md, fourteenth session). A block is latency-bound, so an SM runs
-// fastest with as many resident blocks as fit, and a launch ends with its last blocks. The rule
-// counts the rounds of resident blocks a grid needs, ceil(blocks / (0.9 x the device's resident
-// blocks)), and takes the split count with the least (GroupTiles per split + 4) x rounds. The
-// 0.9 keeps a grid that nearly fills the device out of a second round in which a few blocks
-// run alone (28672x8192 at N = 1 with 3 splits, 1.13 rounds: 25% slower than 2 splits); the 4
-// is a round's fixed cost in GroupTiles (its first stages). Splits keep at least min(28,
-// grid_k / 8) GroupTiles: 4096x14336 ran 15-35% slower with 25 splits of 9 than with 8 of 28.
-// `resident(k_per_split)` gives the blocks per SM of the kernel at that split's shared memory.
+// Split-K factor (docs/kernels.md, fourteenth and fifteenth sessions). A launch ends with its
+// last blocks, so the rule counts the rounds of resident blocks a grid needs, ceil(blocks /
+// (margin x the device's resident blocks)), and takes the split count with the least
+// (GroupTiles per split + 4) x rounds, the 4 being a round's fixed cost in GroupTiles (its first
+// stages). A grid of 1.13 rounds ran 25% slower than one of 1 (28672x8192 at N = 1, 3 splits
+// against 2). The margin is 1: fitted with the 40-register kernel it was 0.9, which with the
+// 56-register one (fewer resident blocks) sent grids of 0.9-1 rounds to fewer splits, e.g.
+// 14336x4096 to 3 splits where 4 run 10% faster at N = 16; same process, 1 against 0.9, geomean
+// over the issue's shapes at N = 1-32: 1.252 / 1.247x at 50%, 1.350 / 1.335x at 70%, 1.045 /
+// 1.021x at 30% (SPINFER_SPLIT_MARGIN, per mille, overrides: A/B runs). Splits keep at least
+// min(28, grid_k / 8) GroupTiles: 4096x14336 ran 15-35% slower with 25 splits of 9 than with 8
+// of 28. `resident(k_per_split)` gives the blocks per SM of the kernel at that split's shared
+// memory.
 template <typename Resident>
-int choose_splits(const SpmmPlan& p, Resident resident, int sms) {
+int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin) {
   const int min_per_split = std::max(1, std::min(28, p.grid_k / 8));
   const int max_splits = std::max(1, p.grid_k / min_per_split);
   const int64_t base = static_cast<int64_t>(p.grid_m) * p.n_tiles;
@@ -84,7 +88,7 @@ int choose_splits(const SpmmPlan& p, Resident resident, int sms) {
     last = splits;
     const int slots = resident(kps) * sms;
     if (slots <= 0) continue;  // the query failed: keep what the other counts give (none: 1)
-    const double rounds = std::ceil(static_cast<double>(base * splits) / (0.9 * slots));
+    const double rounds = std::ceil(static_cast<double>(base * splits) / (margin * slots));
     const double cost = (kps + 4.0) * rounds;
     if (best_cost == 0 || cost < best_cost) best = splits, best_cost = cost;
   }
@@ -100,9 +104,10 @@ int env_int(const char* name, int fallback) {
 // asks the occupancy of up to 16 candidates, so an eager call looks up one entry instead.
 int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   static std::mutex mutex;
-  static std::map<std::array<int, 10>, int> cache;
-  const std::array<int, 10> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.stages, p.value_cap,
-                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn)};
+  const int margin = std::max(1, env_int("SPINFER_SPLIT_MARGIN", 1000));  // per mille (A/B runs)
+  static std::map<std::array<int, 12>, int> cache;
+  const std::array<int, 12> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.stages, p.value_cap,
+                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin};
   {
     const std::lock_guard<std::mutex> lock(mutex);
     if (auto it = cache.find(key); it != cache.end()) return it->second;
@@ -112,7 +117,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
     q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n);
     return resident_blocks_cached(q, bf16, device);
   };
-  const int splits = choose_splits(p, resident, sms);
+  const int splits = choose_splits(p, resident, sms, margin / 1000.0);
   const std::lock_guard<std::mutex> lock(mutex);
   return cache[key] = splits;
 }
@@ -143,6 +148,19 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   p.stages = std::min(kMaxStages, std::max(2, env_int("SPINFER_STAGES", 2)));
   const int cap = env_int("SPINFER_VALUE_CAP", max_run);
   p.value_cap = std::max(8, std::min(kMaxValues, (cap + 7) / 8 * 8));
+  // Register budget (spmm_smbd.cuh, kMinBlocks): 56 registers, the fewest instructions, even
+  // where 40 or 48 would keep more blocks resident. H100, same process, 5 shapes x N = 1 / 8 / 16
+  // (the split rule counting each budget's resident blocks), geomean x cuBLAS with 40 / 48 / 56
+  // registers: 50% 1.210 / 1.246 / 1.261, 70% 1.288 / 1.348 / 1.361 (28672x8192 N = 1: 103.6 /
+  // 95.8 / 89.5 us), 30% 1.004 / 1.013 / 1.018; 56 is 1.6% from the best budget per case on
+  // average at 70%, 0.5% at 50%, its worst case 14336x4096 at 70% (8% behind 48, 3-6% behind 40).
+  // Choosing by resident blocks (the most registers that keep as many blocks) or by the split
+  // rule's rounds weighted by instructions did worse (docs/kernels.md, fifteenth session).
+  // SPINFER_MIN_BLOCKS=7|8|9 forces one (A/B runs, tests).
+  const int forced_budget = env_int("SPINFER_MIN_BLOCKS", 0);
+  const bool budgets = p.bulk && p.lean && p.bn <= 16;
+  const bool forced = budgets && (forced_budget == 7 || forced_budget == 8 || forced_budget == 9);
+  p.min_blocks = !budgets ? 0 : forced ? forced_budget : 7;
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);

@@ -253,13 +253,16 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
   if (r.gts == kPair) decode_gt<kBF16, BN, kLean>(pack + kPackPerGt, vals + r.split, last1, xa, 1, lane, acc);
 }
 
-// Resident blocks the register allocation must allow. Occupancy is this kernel's strongest
-// lever; on sm_90 at BN <= 16 shared memory allows 9-13 blocks per SM (50-70% sparsity), so
-// registers are capped at 40 (10 blocks of 5 warps) rather than left to reach 48 (8). The
-// default (lean) variants do not spill under the cap; the per-word clamped one at BN = 16,
-// reached only through SPINFER_DECODE=safe, spills 12 bytes. Asking for 10 blocks gave 32
-// registers and spills everywhere. 0 (elsewhere): the compiler's choice, since a cap spilled
-// the cp.async variants.
+// Resident blocks the register allocation must allow (__launch_bounds__' second argument). The
+// lean sm_90 variants at BN <= 16 come with three register budgets: 9 blocks (40 registers; 10
+// blocks of 5 warps), 8 (48) and 7 (56). Under 40 the compiler rebuilds lane constants every
+// stage: SASS of the stage loop at BN = 8 / 16, 447 / 472 instructions at 40 registers, 419 / 447
+// at 48, 419 / 435 at 56 (and 64 gains nothing more). The planner takes 56 (spmm_smbd.cu): the
+// shorter loop measured faster than the 1-3 more resident blocks that 40 allowed (until v9 the
+// cap was 40, when occupancy was this kernel's strongest lever). At 48, BN = 16 reloads two
+// spilled registers a stage. The per-word clamped variant keeps 40 (at BN = 16, reached only
+// through SPINFER_DECODE=safe, it spills 4 bytes). 0 (elsewhere): the compiler's choice, since
+// a cap spilled the cp.async variants.
 template <int BN, bool kBulk>
 constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 
@@ -267,8 +270,8 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // The kernel. kBulk (sm_90): lane 0 of warp 0 posts the stage's byte count on its mbarrier and
 // issues cp.async.bulk copies of the bitmaps and the value runs; warp 0's lanes copy the x
 // rows. Otherwise (sm_80): every thread issues 16-byte cp.async and groups are counted.
-template <bool kBF16, int BN, bool kBulk, bool kLean>
-__global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
+template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>>
+__global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
                      const int n_stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -423,7 +426,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinBlocks<BN, kBulk>)
     ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
     ptx::griddep_wait();  // (the decoding warps) no global write before the previous kernel is done
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-    constexpr bool kVectorSum = kMinBlocks<BN, kBulk> == 0;  // see store_tile
+    constexpr bool kVectorSum = kMinB == 0;  // see store_tile
     const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
     const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * BN * kGt;
     store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, tile, split_stride,
@@ -442,10 +445,13 @@ int smem_bytes(int k_per_split, int value_cap, int stages, int n) {
 // The kernel variant a plan launches.
 template <bool kBF16, int BN>
 auto kernel_for(const SpmmPlan& plan) {
-  auto kernel = plan.bulk ? (plan.lean ? spmm_smbd_kernel<kBF16, BN, true, true> : spmm_smbd_kernel<kBF16, BN, true, false>)
-                          : (plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true>
-                                       : spmm_smbd_kernel<kBF16, BN, false, false>);
-  return kernel;
+  if (!plan.bulk) return plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true> : spmm_smbd_kernel<kBF16, BN, false, false>;
+  if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
+  if constexpr (BN <= 16) {
+    if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8>;
+    if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7>;
+  }
+  return spmm_smbd_kernel<kBF16, BN, true, true>;
 }
 
 // Blocks of this plan's kernel that fit on one SM at its shared memory (CUDA's occupancy

@@ -35,6 +35,9 @@ struct SpmmPlan {
   int value_cap;    // longest value run rounded up to 8, in [8, 4096]
   int smem_bytes;
   int resident_blocks;  // blocks of this plan's kernel per SM (occupancy calculator; 0: unknown)
+  int min_blocks;   // register budget of the lean sm_90 variants at BN <= 16, as the resident
+                    // blocks it allows: 7 (56 registers, the default), 8 (48) or 9 (40);
+                    // SPINFER_MIN_BLOCKS overrides. 0 elsewhere
   bool bulk;        // sm_90 bulk-copy loader; false: cp.async (sm_80, or SPINFER_LOADER=cp_async)
   bool pdl;         // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
   bool lean;        // decode variant: prefix as a shared address clamped once (the default) or

@@ -90,7 +90,7 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
 
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
-               "resident_blocks", "lean", "bulk")
+               "resident_blocks", "min_blocks", "lean", "bulk")
 
 
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -99,7 +99,9 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     ``dtype`` on ``device``: token tile ``bn`` and ``n_tiles``, the GroupTile grid, ``splits``
     (``splits=0``: the planner's rule, else that factor) and ``k_per_split``, pipeline
     ``stages``, the value buffer, shared memory per block, ``resident_blocks`` per SM (CUDA's
-    occupancy calculator; 0 if unknown) and the decode and loader variants. Environment
+    occupancy calculator; 0 if unknown), the register budget (``min_blocks``: 9, 8 or 7 resident
+    blocks' worth of registers for the sm_90 kernel at ``bn`` <= 16, else 0) and the decode and
+    loader variants. Environment
     overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a launch."""
     device = torch.device(device)
     if device.type != "cuda":

@@ -150,10 +150,11 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   p.value_cap = std::max(8, std::min(kMaxValues, (cap + 7) / 8 * 8));
   // Register budget (spmm_smbd.cuh, kMinBlocks): 56 registers, the fewest instructions, even
   // where 40 or 48 would keep more blocks resident. H100, same process, 5 shapes x N = 1 / 8 / 16
-  // (the split rule counting each budget's resident blocks), geomean x cuBLAS with 40 / 48 / 56
-  // registers: 50% 1.210 / 1.246 / 1.261, 70% 1.288 / 1.348 / 1.361 (28672x8192 N = 1: 103.6 /
-  // 95.8 / 89.5 us), 30% 1.004 / 1.013 / 1.018; 56 is 1.6% from the best budget per case on
-  // average at 70%, 0.5% at 50%, its worst case 14336x4096 at 70% (8% behind 48, 3-6% behind 40).
+  // (the split rule, then with its 0.9 margin, counting each budget's resident blocks), geomean
+  // x cuBLAS with 40 / 48 / 56 registers: 50% 1.210 / 1.246 / 1.261, 70% 1.288 / 1.348 / 1.361
+  // (28672x8192 N = 1: 103.6 / 95.8 / 89.5 us), 30% 1.004 / 1.013 / 1.018; 56 is 1.6% from the
+  // best budget per case on average at 70%, 0.5% at 50%, its worst case 14336x4096 at 70% (8%
+  // behind 48, 3-6% behind 40).
   // Choosing by resident blocks (the most registers that keep as many blocks) or by the split
   // rule's rounds weighted by instructions did worse (docs/kernels.md, fifteenth session).
   // SPINFER_MIN_BLOCKS=7|8|9 forces one (A/B runs, tests).

@@ -166,7 +166,7 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     prof = DeviceProfile(name=torch.cuda.get_device_name(dev), dense_bandwidth=dense_bw,
                          sparse_bandwidth=large_bytes / (gt_cost[8] * ngt), tensor_flops=flops,
                          launch=launch, spmm_launch=spmm_launch, gt_cost=gt_cost,
-                         decode_bandwidth=(enc.storage_bytes().total + 2 * m * k) / td, measured=True)
+                         decode_bandwidth=(large_bytes + 2 * m * k) / td, measured=True)
     key = device_key(dev)
     _PROFILES[key] = prof
     if save:

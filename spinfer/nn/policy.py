@@ -44,23 +44,22 @@ class DeviceProfile:
     """Device constants of the cost model (seconds, bytes/s, FLOP/s)."""
 
     name: str = "NVIDIA H100 80GB HBM3 (defaults measured 2026-11-22)"
-    # The defaults are calibrate() on an H100 80GB HBM3 with the SMBD kernel v9 (lean decode,
-    # occupancy split rule), two runs agreeing within 1.5% (docs/policy.md, fifteenth session).
-    # Before, they were fitted to kernel v7, and kept 4096x4096 and 6144x4096 layers dense where
-    # SpMM is now 10% faster at N = 1.
+    # The defaults are calibrate() on an H100 80GB HBM3 with the SMBD kernel v10, two runs
+    # agreeing within 2% (docs/policy.md, fifteenth session). Before, they were fitted to kernel
+    # v7, and kept 4096x4096 and 6144x4096 layers dense where SpMM is now 10% faster at N = 1.
     dense_bandwidth: float = 2.8e12  # bytes/s cuBLAS streams a dense fp16 weight at
     # bytes/s the SMBD kernel reaches when bytes dominate (the large layer's bytes over its time
     # above the fixed cost, at 50%)
-    sparse_bandwidth: float = 2.5e12
-    tensor_flops: float = 7.6e14  # dense fp16 FLOP/s at large N
-    launch: float = 4.4e-6  # fixed cost per kernel call (a 64x64 F.linear)
+    sparse_bandwidth: float = 2.57e12
+    tensor_flops: float = 7.7e14  # dense fp16 FLOP/s at large N
+    launch: float = 4.5e-6  # fixed cost per kernel call (a 64x64 F.linear)
     # The SMBD kernel's fixed cost (launch, pipeline fill and the split-K reduction): the
     # intercept of its N = 1 time against bytes through 4096x4096 and 16384x8192 at 50%; and its
     # decode cost per GroupTile (64x64) on the whole GPU by token tile BN (N > 64 pays the BN=64
     # cost once per 64 tokens): the large layer's time above the fixed cost per GroupTile. The
     # fixed cost decides small layers for dense (1024x4096: 11 us as SpMM, 9.8 dense).
     spmm_launch: float = 8.6e-6
-    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.84e-9, 16: 2.10e-9, 32: 2.44e-9, 64: 4.20e-9})
+    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.80e-9, 16: 2.01e-9, 32: 2.64e-9, 64: 3.65e-9})
     # bytes/s of TCA-BME -> dense (or low-bit -> dense) with torch ops, per call
     decode_bandwidth: float = 1.4e11
     # The fused low-bit kernel: bytes/s of its packed weight at N = 1, and the token count that

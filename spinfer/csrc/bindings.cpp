@@ -301,11 +301,11 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t kp = (k + kGt - 1) / kGt * kGt;
   const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
-  const SpmmPlan p = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(x.size(0)), static_cast<int>(kp), cap,
-                                    x.scalar_type() == at::kBFloat16, x.get_device(),
-                                    static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const SpmmPlan p = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(x.size(0)), static_cast<int>(kp), cap, bf16,
+                                    x.get_device(), static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   return {p.bn, p.n_tiles, p.grid_m, p.grid_k, p.splits, p.k_per_split, p.stages, p.value_cap, p.smem_bytes,
-          p.resident_blocks, p.min_blocks, p.lean, p.bulk};
+          spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk};
 }
 
 }  // namespace

@@ -169,12 +169,15 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   p.k_per_split = per_split(p.grid_k, splits);
   p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
   p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n);
-  p.resident_blocks = resident_blocks_cached(p, bf16, device);
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.grid_m;
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt;
   }
   return p;
+}
+
+int spmm_smbd_resident_blocks(const SpmmPlan& plan, bool bf16, int device) {
+  return smbd::resident_blocks_cached(plan, bf16, device);
 }
 
 cudaError_t spmm_smbd_run(const SpmmArgs& a, const SpmmPlan& p, cudaStream_t stream) {

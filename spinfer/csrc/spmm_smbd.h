@@ -34,7 +34,6 @@ struct SpmmPlan {
   int counters;
   int value_cap;    // longest value run rounded up to 8, in [8, 4096]
   int smem_bytes;
-  int resident_blocks;  // blocks of this plan's kernel per SM (occupancy calculator; 0: unknown)
   int min_blocks;   // register budget of the lean sm_90 variants at BN <= 16, as the resident
                     // blocks it allows: 7 (56 registers, the default), 8 (48) or 9 (40);
                     // SPINFER_MIN_BLOCKS overrides. 0 elsewhere
@@ -53,6 +52,11 @@ struct SpmmPlan {
 // max_run is the weight's longest GroupTile run (TCABME.max_run); SPINFER_VALUE_CAP overrides
 // the value buffer size (for A/B runs; a value below max_run truncates runs).
 SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device, int splits);
+
+// Blocks of the plan's kernel that fit on one SM of `device` at its shared memory (CUDA's
+// occupancy calculator, cached), 0 where the query fails. For reports (spinfer::spmm_plan); a
+// launch does not need it.
+int spmm_smbd_resident_blocks(const SpmmPlan& plan, bool bf16, int device);
 
 cudaError_t spmm_smbd_run(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 

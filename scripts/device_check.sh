@@ -53,18 +53,23 @@ fi
 ncu_case() {  # name kernel-regex script args...
     local name=$1 regex=$2
     shift 2
-    ncu --set full --import-source no -k "regex:$regex" --launch-skip 2 --launch-count 1 -f -o "$OUT/$name" \
+    ncu --clock-control none --set full --import-source no -k "regex:$regex" --launch-skip 2 --launch-count 1 -f -o "$OUT/$name" \
         python3 "$@" >"$OUT/ncu-$name.log" 2>&1 || { tail -20 "$OUT/ncu-$name.log"; status=1; }
     ncu -i "$OUT/$name.ncu-rep" --page details --csv >"$OUT/ncu-$name-details.csv" 2>>"$OUT/ncu-$name.log"
     ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu-$name-source.csv" 2>>"$OUT/ncu-$name.log"
-    ncu -i "$OUT/$name.ncu-rep" --page raw --csv 2>>"$OUT/ncu-$name.log" | python3 scripts/ncu_stalls.py
+    ncu -i "$OUT/$name.ncu-rep" --page raw --csv >"$OUT/ncu-$name-raw.csv" 2>>"$OUT/ncu-$name.log"
+    python3 scripts/ncu_stalls.py <"$OUT/ncu-$name-raw.csv"
     rm -f "$OUT/$name.ncu-rep"
     grep -E '"(Duration|Achieved Occupancy|Theoretical Occupancy|Issued Warp Per Scheduler|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Registers Per Thread|Block Limit [A-Za-z ]+|Executed Ipc Active|Memory Throughput|DRAM Throughput)"' \
         "$OUT/ncu-$name-details.csv" | awk -F'","' '{print $(NF-2)": "$NF" "$(NF-1)}' | tr -d '"' | sort -u
 }
 if [[ " $steps " == *" ncu-spmm "* ]]; then
-    # SPMM_CASE="M K N SPARSITY"
-    ncu_case spmm spmm_smbd scripts/profile_case.py ${SPMM_CASE:-28672 8192 1 0.5}
+    # SPMM_CASES="M K N SPARSITY[;M K N SPARSITY...]": one profile each, named spmm-M-K-N-SPARSITY
+    IFS=';' read -ra cases <<<"${SPMM_CASES:-28672 8192 1 0.5}"
+    for c in "${cases[@]}"; do
+        echo "== ncu spmm $c"
+        ncu_case "spmm-${c// /-}" spmm_smbd scripts/profile_case.py $c
+    done
 fi
 if [[ " $steps " == *" ncu-lowbit "* ]]; then
     # LOWBIT_CASE="M K N BITS GROUP"

@@ -127,6 +127,12 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) 
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
 }
 
+// One arrival on `bar` once every cp.async this thread issued before it has landed (.noinc: the
+// arrival counts against the barrier's expected count, which must include it).
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Makes mbarrier.init visible to the async proxy (the copy engine) before first use.
 __device__ __forceinline__ void fence_mbarrier_init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -76,7 +76,7 @@ int per_split(int grid_k, int splits) {
 // of 28. `resident(k_per_split)` gives the blocks per SM of the kernel at that split's shared
 // memory.
 template <typename Resident>
-int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin) {
+int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, double fixed) {
   const int min_per_split = std::max(1, std::min(28, p.grid_k / 8));
   const int max_splits = std::max(1, p.grid_k / min_per_split);
   const int64_t base = static_cast<int64_t>(p.grid_m) * p.n_tiles;
@@ -89,7 +89,7 @@ int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin) 
     const int slots = resident(kps) * sms;
     if (slots <= 0) continue;  // the query failed: keep what the other counts give (none: 1)
     const double rounds = std::ceil(static_cast<double>(base * splits) / (margin * slots));
-    const double cost = (kps + 4.0) * rounds;
+    const double cost = (kps + fixed) * rounds;
     if (best_cost == 0 || cost < best_cost) best = splits, best_cost = cost;
   }
   return best;
@@ -105,9 +105,10 @@ int env_int(const char* name, int fallback) {
 int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   static std::mutex mutex;
   const int margin = std::max(1, env_int("SPINFER_SPLIT_MARGIN", 1000));  // per mille (A/B runs)
-  static std::map<std::array<int, 12>, int> cache;
-  const std::array<int, 12> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.stages, p.value_cap,
-                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin};
+  const int fixed = std::max(0, env_int("SPINFER_SPLIT_FIXED", 40));     // tenths of a GroupTile (A/B runs)
+  static std::map<std::array<int, 13>, int> cache;
+  const std::array<int, 13> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.stages, p.value_cap,
+                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed};
   {
     const std::lock_guard<std::mutex> lock(mutex);
     if (auto it = cache.find(key); it != cache.end()) return it->second;
@@ -117,7 +118,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
     q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n);
     return resident_blocks_cached(q, bf16, device);
   };
-  const int splits = choose_splits(p, resident, sms, margin / 1000.0);
+  const int splits = choose_splits(p, resident, sms, margin / 1000.0, fixed / 10.0);
   const std::lock_guard<std::mutex> lock(mutex);
   return cache[key] = splits;
 }
@@ -129,6 +130,8 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
+  if (const int forced = env_int("SPINFER_BN", 0); forced == 8 || forced == 16 || forced == 32 || forced == 64)
+    p.bn = forced;  // A/B runs and tests
   p.n_tiles = (n + p.bn - 1) / p.bn;
   p.grid_m = (m + kGt - 1) / kGt;
   p.grid_k = kp / kGt;

@@ -8,9 +8,10 @@
 //    global memory, so one copy) and the matching 128-column slice of x. Two per stage halves
 //    the block barriers, the mbarrier waits and the copy-issue work per GroupTile, which ncu
 //    showed as ~40% of the instructions and the largest stall (the barrier) with one per stage.
-//    On sm_90 one thread issues bulk copies (cp.async.bulk) that complete on the stage's
-//    mbarrier; on sm_80 all threads issue 16-byte cp.async. Nothing dense of W ever exists
-//    outside registers.
+//    On sm_90 a producer warp fills the stages: one lane issues bulk copies (cp.async.bulk) of
+//    the bitmaps and runs, all lanes 16-byte cp.async of the x rows, and both complete on the
+//    stage's mbarrier; on sm_80 all threads issue 16-byte cp.async. Nothing dense of W ever
+//    exists outside registers.
 //  * Warp w decodes TCTile row w of each GroupTile straight into mma.m16n8k16 A fragments
 //    (Shared-Memory Bitmap Decoding): a lane's value offset is the PopCount of everything before
 //    its bits plus a masked PopCount inside its word. fp32 accumulators.
@@ -267,9 +268,10 @@ template <int BN, bool kBulk>
 constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 
 // ---------------------------------------------------------------------------------------------
-// The kernel. kBulk (sm_90): lane 0 of warp 0 posts the stage's byte count on its mbarrier and
-// issues cp.async.bulk copies of the bitmaps and the value runs; warp 0's lanes copy the x
-// rows. Otherwise (sm_80): every thread issues 16-byte cp.async and groups are counted.
+// The kernel. kBulk (sm_90): lane 0 of the producer warp posts the stage's byte count on its
+// mbarrier and issues cp.async.bulk copies of the bitmaps and the value runs; the producer's
+// lanes copy the x rows with cp.async and arrive when they land. Otherwise (sm_80): every
+// thread issues 16-byte cp.async and groups are counted.
 template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>>
 __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
@@ -298,31 +300,48 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 
     if constexpr (kBulk) {
       if (tid == 0) {
-        for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], 1);
+        // A stage's phase: the producer's byte count for the bulk copies, and one arrival from each
+        // producer lane once its x copies have landed.
+        for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], 1 + 32);
         ptx::fence_mbarrier_init();
       }
     }
     __syncthreads();
 
-    // The producer warp. with_x = false leaves the x rows to issue_x_bulk: the first stages'
-    // weights go out before griddep_wait (launch.cuh), their x rows after it. The stage's byte
-    // count includes the x rows either way, so its phase completes only once they land.
-    auto issue_x_bulk = [&](int stage, int p) {
-      unsigned char* st = smem + stage * lay.stage_bytes;
+    // The producer warp. Bitmaps and value runs: bulk copies that lane 0 issues and counts on the
+    // stage's mbarrier. The x rows: 16-byte cp.async from every lane (lane l takes chunk l % 16
+    // of rows l / 16, l / 16 + 2, ...), each lane arriving on the mbarrier once its copies land.
+    // A bulk copy per x row cost the warp ~10 instructions (the operands go to uniform registers
+    // one lane at a time): 11% of the kernel's instructions at N = 32 (ncu), and one process
+    // measured N = 16 / 32 1-5% faster with cp.async, N = 1 the same (docs/kernels.md).
+    // with_x = false leaves the x rows to issue_x: the first stages' weights go out before
+    // griddep_wait (launch.cuh), their x rows after it.
+    auto issue_x = [&](int stage, int p) {
       const int gts = min(kPair, b.nk - kPair * p);
       const int k0 = (b.g_begin + kPair * p) * kGt;
-      for (int row = lane; row < b.valid_rows; row += 32)
-        ptx::cp_async_bulk_g2s(st + lay.x_offset + row * kXStride * 2,
-                               static_cast<const char*>(args.x) + (int64_t(b.n0 + row) * args.kp + k0) * 2,
-                               gts * kGt * 2, &s_full[stage]);
+      constexpr int kChunks = kPair * kGt / 8;  // 16-byte chunks per x row
+      constexpr int kRowStep = 32 / kChunks;    // rows between a lane's copies
+      const int cc = lane % kChunks;
+      if (cc < gts * kGt / 8) {
+        const char* src =
+            static_cast<const char*>(args.x) + (int64_t(b.n0 + lane / kChunks) * args.kp + k0 + cc * 8) * 2;
+        uint32_t dst = ptx::smem_addr(smem + stage * lay.stage_bytes + lay.x_offset) +
+                       ((lane / kChunks) * kXStride + cc * 8) * 2;
+#pragma unroll 4
+        for (int row = lane / kChunks; row < b.valid_rows; row += kRowStep) {
+          ptx::cp_async_cg_16(dst, src);
+          src += int64_t(args.kp) * 2 * kRowStep;
+          dst += kRowStep * kXStride * 2;
+        }
+      }
+      ptx::cp_async_mbarrier_arrive_noinc(&s_full[stage]);
     };
     auto issue_bulk = [&](int stage, int p, bool with_x) {
       unsigned char* st = smem + stage * lay.stage_bytes;
       const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
       if (lane == 0) {
         ptx::fence_proxy_async_shared();  // the generic reads of this buffer come before the copy
-        ptx::mbarrier_arrive_expect_tx(&s_full[stage],
-                                       r.gts * (kBitmapBytes + b.valid_rows * kGt * 2) + r.total * 2);
+        ptx::mbarrier_arrive_expect_tx(&s_full[stage], r.gts * kBitmapBytes + r.total * 2);
         ptx::cp_async_bulk_g2s(st, args.bitmap + (first_gtile + kPair * p) * kWordsPerGt, r.gts * kBitmapBytes,
                                &s_full[stage]);
         if (r.total > 0)
@@ -330,8 +349,8 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
                                  static_cast<const char*>(args.values) + int64_t(s_off[kPair * p]) * 2, r.total * 2,
                                  &s_full[stage]);
       }
-      __syncwarp();  // the byte count is posted before any x copy can complete
-      if (with_x) issue_x_bulk(stage, p);
+      __syncwarp();  // the byte count is posted before any lane's arrival can complete the phase
+      if (with_x) issue_x(stage, p);
     };
 
     auto issue_cp_async = [&](int stage, int p) {  // all threads
@@ -384,7 +403,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
       if (producer) {
         for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st, false);
         ptx::griddep_wait();  // x is the previous kernel's output
-        for (int st = 0; st < S - 1 && st < np; ++st) issue_x_bulk(st, st);
+        for (int st = 0; st < S - 1 && st < np; ++st) issue_x(st, st);
       }
       int cs = 0, ps = S - 1;
       uint32_t parity = 0;

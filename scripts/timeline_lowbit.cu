@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
 
     LowbitArgs a{};
     a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
-    a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
+    a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4, a.rotate = kLowbitRotate;
     LowbitPlan p{};
     p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
     const BalancedGrid g =

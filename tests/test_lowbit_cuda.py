@@ -73,6 +73,23 @@ def test_forced_split_k_at_other_widths_and_odd_stage_counts(bits, splits, monke
             assert rel_err(fused(x, q, b), reference(x, q, b)) <= 2e-3, f"K={k} N={n}"
 
 
+@pytest.mark.parametrize("rotate", ["0", "1", "5"])
+def test_stage_order_rotation(rotate, monkeypatch):
+    """Blocks start at stage (row block x rotate) % stages of their range and wrap (0: off). K =
+    1792 gives 7 stages at 4 bits (14 at 8), so splits of 3 leave a short last split, and M =
+    4097 gives 65 row blocks, so every start offset and the wrap after each are taken."""
+    monkeypatch.setenv("SPINFER_LOWBIT_ROTATE", rotate)
+    for bits in (4, 8):
+        q = LowBitWeight.quantize(torch.randn(4097, 1792, device="cuda").half(), bits, 128)
+        b = torch.randn(4097, device="cuda").half()
+        for splits in ("1", "3"):
+            monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
+            for n in (1, 8, 20):
+                x = torch.randn(n, 1792, device="cuda").half()
+                err = rel_err(fused(x, q, b), reference(x, q, b))
+                assert err <= 2e-3, f"bits={bits} splits={splits} N={n}: {err:.2e}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bn", ["8", "16", "32"])
 def test_forced_token_tile_with_split_k_and_bias(bn, dtype, monkeypatch):

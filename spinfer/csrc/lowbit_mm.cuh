@@ -313,6 +313,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     row_first = blockIdx.y, it_begin = blockIdx.z * iters_per_split;
     iters = max(0, min(total_iters, it_begin + iters_per_split) - it_begin);
   }
+  // The stage this block starts at, its copy cursors wrapping back to the range's first stage
+  // after the last (kLowbitRotate, lowbit_mm.h): row blocks read different column offsets at once.
+  const int rot = !CROSS && args.rotate > 0 && iters > 1 ? (blockIdx.y * args.rotate) % iters : 0;
 
   // All threads: 16-byte copies of weights and activations, 4-byte copies of (scale, zero)
   // pairs. Weight tiles are padded to 64 rows and whole stages in the format; scales of rows
@@ -331,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const int w_dst = w_row * L::kWStride + ((tid % kWPieces) ^ piece_swizzle<BITS>(w_row)) * 16;
   const unsigned char* w_src =
       reinterpret_cast<const unsigned char*>(args.qweight) +
-      (static_cast<int64_t>(row_first) * total_iters + it_begin) * kBlockRows * kRowBytes + tid * 16;
+      (static_cast<int64_t>(row_first) * total_iters + it_begin + rot) * kBlockRows * kRowBytes + tid * 16;
   constexpr int kSzSlots = kBlockRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
   constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
   const uint32_t* sz_row[kSzCopies];  // this slot's row of scale_zero (nullptr past M)
@@ -372,8 +375,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   // stage on copies was that arithmetic). The weights are one stream; at the end of a row block
   // the activation and scale cursors go back to column 0 of the next one.
   const unsigned char* w_next = w_src;
-  const char* x_next = x_src + it_begin * L::kCols * 2;
-  int col_next = it_begin * L::kCols;  // first column of the next weight stage
+  const char* x_next = x_src + (it_begin + rot) * L::kCols * 2;
+  int col_next = (it_begin + rot) * L::kCols;  // first column of the next weight stage
+  int w_left = iters - rot, x_left = iters - rot;  // stages before the cursors wrap (rotate)
   int row_next = row_first;            // its row block
   int x_stage = it_begin;              // stage in its row of the next activation slice
   auto issue_w = [&](const uint32_t st) {
@@ -396,6 +400,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     }
     col_next += L::kCols;
     if (CROSS && col_next == args.kp) col_next = 0, sz_rows(++row_next);  // the next row block
+    if (!CROSS && --w_left == 0) w_next -= int64_t(iters) * kBlockRows * kRowBytes, col_next -= iters * L::kCols;
   };
   auto issue_x = [&](const uint32_t st) {
 #pragma unroll
@@ -405,6 +410,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     }
     x_next += L::kCols * 2;
     if (CROSS && ++x_stage == total_iters) x_stage = 0, x_next = x_src;
+    if (!CROSS && --x_left == 0) x_next -= int64_t(iters) * L::kCols * 2;
   };
 
   float acc[BN / 8][4];

@@ -22,7 +22,20 @@ struct LowbitArgs {
   int bits;
   bool bf16;
   bool force_xsum;         // apply every zero point through sum(x) (SPINFER_LOWBIT_XSUM=1: A/B runs, tests)
+  int rotate;              // stage-order rotation (kLowbitRotate; SPINFER_LOWBIT_ROTATE overrides, 0: off)
 };
+
+// A block of row block r (one-block-per-row and split-K grids) takes its stages starting at stage
+// (r * kLowbitRotate) % stages of its range and wraps around, instead of every block starting at
+// the range's first stage. All row blocks streaming the same column offset at once read addresses
+// a power of two apart (a 64-row block of a 4-bit K = 4096 layer is 128 KB): same process on H100,
+// geomean x cuBLAS over the four issue shapes, without / with: 4-bit g128 at N = 1-16 2.282 /
+// 2.382x (14336x4096 N = 1 18.7 -> 17.2 us, 8192x28672 N = 8 63.0 -> 56.6 us), 8-bit 1.518 /
+// 1.609x, 2-bit g64 and 4-bit g32 at N = 1-32 2.277 / 2.331x and 1.820 / 1.887x; a multiplier of
+// 1 measured 2.367x. 5 is odd, so with a power-of-two stage count consecutive row blocks start
+// at distinct stages. The SMBD kernel gained nothing from the same rotation (its value runs have
+// no such stride). Accumulation order changes with it; results stay deterministic.
+constexpr int kLowbitRotate = 5;
 
 struct LowbitPlan {
   int bn;          // tokens per block tile: 8, 16 or 32

@@ -72,7 +72,11 @@ if [[ " $steps " == *" ncu-spmm "* ]]; then
     done
 fi
 if [[ " $steps " == *" ncu-lowbit "* ]]; then
-    # LOWBIT_CASE="M K N BITS GROUP"
-    ncu_case lowbit lowbit_mm scripts/profile_lowbit_case.py ${LOWBIT_CASE:-28672 8192 1 4 128}
+    # LOWBIT_CASES="M K N BITS GROUP[;...]": one profile each, named lowbit-M-K-N-BITS-GROUP
+    IFS=';' read -ra cases <<<"${LOWBIT_CASES:-28672 8192 1 4 128}"
+    for c in "${cases[@]}"; do
+        echo "== ncu lowbit $c"
+        ncu_case "lowbit-${c// /-}" lowbit_mm scripts/profile_lowbit_case.py $c
+    done
 fi
 exit $status

@@ -85,10 +85,13 @@ __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* til
 // below N are stored and summed (token-major, so they are a prefix of the tile): at N = 1 a
 // BN = 8 tile moves 256 bytes per split instead of 2 KB, and the last block's sum, which ends
 // the launch, waits on an eighth of the loads.
-// kVectorSum = false keeps the one-float-per-iteration sum: the SMBD kernel's register-capped
-// variants (BN <= 16 on sm_90, 40 registers) measured 1-4% slower with the float4 sum, whether
+// kVectorSum = false keeps the one-float-per-iteration sum: the SMBD kernel's 40- and
+// 48-register variants (BN <= 16 on sm_90) measured 1-4% slower with the float4 sum, whether
 // inlined (it spilled the main loop) or called out of line (it moved the main loop's register
-// allocation), although the sum itself is faster.
+// allocation), although the sum itself is faster. The 56-register variant (the default since
+// v10) takes the float4 sum with no spill and the same stage loop: A-B-A-B on H100, five shapes
+// x N = 1 / 8 / 16, geomean x cuBLAS 1.251 / 1.232 -> 1.290 / 1.295 at 50% sparsity and 1.351 /
+// 1.351 -> 1.393 / 1.406 at 70%, +3-11% at N = 8 and 16 on split layers, N = 1 unchanged.
 // The partial tiles of tile `tile` sit split_stride floats apart, split 0 first.
 template <bool kBF16, int BN, int kBlockRows, int kThreads, bool kVectorSum = true>
 __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_local, int n0, int64_t tile,

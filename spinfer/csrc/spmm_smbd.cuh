@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
     ptx::griddep_wait();  // (the decoding warps) no global write before the previous kernel is done
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-    constexpr bool kVectorSum = kMinB == 0;  // see store_tile
+    constexpr bool kVectorSum = kMinB == 0 || kMinB == 7;  // not under the 40 / 48-register caps: see store_tile
     const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
     const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * BN * kGt;
     store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, tile, split_stride,

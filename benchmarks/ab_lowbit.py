@@ -1,6 +1,7 @@
 """A/B of fused low-bit launch configurations in one process (interleaved, L2 flushed), for
 tuning the planner. A configuration is a '+'-joined list of SPINFER_* environment overrides read
-by the planner at every launch (LOWBIT_SPLITS, LOWBIT_BN); 'auto' is the planner's own choice.
+by the planner or the launch at every call (LOWBIT_SPLITS, LOWBIT_BN, LOWBIT_BALANCED, LOWBIT_ROTATE,
+LOWBIT_XSUM); 'auto' is the planner's own choice.
 
     python benchmarks/ab_lowbit.py --configs auto,LOWBIT_SPLITS=2,LOWBIT_SPLITS=4 \\
         [--shapes 14336x4096,4096x14336] [--ns 1,8,16] [--quant 4:128]

@@ -69,6 +69,20 @@ def test_decode_variants_forced(monkeypatch, decode, dtype):
         assert spmm_plan(enc, n, dtype=dtype)["lean"] == (decode == "lean")
 
 
+@pytest.mark.parametrize("bn", ["8", "16", "32"])
+def test_token_tile_forced(monkeypatch, bn):
+    """A token tile smaller than the planner's (SPINFER_BN, for A/B runs) gives several tiles with
+    a partial last one, split and unsplit, in fp16 and bf16; the plan reports the tile forced."""
+    monkeypatch.setenv("SPINFER_BN", bn)
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1000), 0.5, dtype, device="cuda")
+        check(w, [20, 45], dtype)
+        monkeypatch.setenv("SPINFER_SPLITS", "3")
+        check(w, [20], dtype)
+        monkeypatch.delenv("SPINFER_SPLITS")
+        assert spmm_plan(TCABME.from_dense(w), 45, dtype=dtype)["bn"] == int(bn)
+
+
 @pytest.mark.parametrize("budget", ["7", "8", "9"])
 def test_register_budgets_forced(monkeypatch, budget):
     """Each register budget of the sm_90 kernel at BN = 8 and 16, fp16 and bf16, split and not;

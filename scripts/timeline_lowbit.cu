@@ -7,7 +7,8 @@
 //        scripts/timeline_lowbit.cu -o /tmp/timeline_lowbit && /tmp/timeline_lowbit [M] [K,K,...] [reps] [balanced]
 //
 // `balanced` launches the balanced schedule (SMs x 2 blocks, ranges across row blocks) instead
-// of one block per row block.
+// of one block per row block. SPINFER_LOWBIT_ROTATE sets the stage-order rotation as for the
+// library (0: every block starts at stage 0).
 //
 // Printed per K (medians over the launches, µs): the launch's event time; when blocks start after
 // the first one (median / last); how long a block waits for its first stage; its main loop; its
@@ -93,7 +94,9 @@ int main(int argc, char** argv) {
 
     LowbitArgs a{};
     a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
-    a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4, a.rotate = kLowbitRotate;
+    a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
+    const char* rotate = std::getenv("SPINFER_LOWBIT_ROTATE");  // the stage-order rotation; 0: off
+    a.rotate = rotate ? std::atoi(rotate) : kLowbitRotate;
     LowbitPlan p{};
     p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
     const BalancedGrid g =

@@ -95,8 +95,7 @@ int main(int argc, char** argv) {
     LowbitArgs a{};
     a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
     a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
-    const char* rotate = std::getenv("SPINFER_LOWBIT_ROTATE");  // the stage-order rotation; 0: off
-    a.rotate = rotate ? std::atoi(rotate) : kLowbitRotate;
+    a.rotate = lowbit_rotate();  // as the library: SPINFER_LOWBIT_ROTATE=0 turns it off
     LowbitPlan p{};
     p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
     const BalancedGrid g =

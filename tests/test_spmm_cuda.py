@@ -121,10 +121,10 @@ def test_plan_reports_the_launch():
         spmm_plan(enc, 1, device="cpu")
 
 
-def rule_splits(m, k, max_run, n, dtype):
+def rule_splits(m, k, max_run, n, dtype, fixed=4.0):
     """The planner's split rule written out from its definition (docs/kernels.md, spmm_smbd.cu):
     over split counts s, GroupTiles per split kps = ceil(grid_k / s) rounded up to a pair (when
-    split), at least min(28, grid_k / 8) of them; cost (kps + 4) x ceil(blocks / (resident blocks
+    split), at least min(28, grid_k / 8) of them; cost (kps + fixed) x ceil(blocks / (resident blocks
     per SM x SMs)), the first least cost wins. Each candidate's resident blocks come from
     the planner's own plan with that factor forced."""
     x = torch.empty((n, 1), dtype=dtype, device="cuda").expand(n, k)
@@ -144,22 +144,29 @@ def rule_splits(m, k, max_run, n, dtype):
         last = splits
         forced = plan(splits)
         assert forced["k_per_split"] == kps, (s, forced)
-        cost = (kps + 4) * math.ceil(base * splits / (forced["resident_blocks"] * sms))
+        cost = (kps + fixed) * math.ceil(base * splits / (forced["resident_blocks"] * sms))
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return auto["splits"], best
 
 
+@pytest.mark.parametrize("fixed", [None, "0", "160"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_split_rule_picks_the_least_cost(dtype, monkeypatch):
+def test_split_rule_picks_the_least_cost(dtype, fixed, monkeypatch):
     """The split count the planner launches is the one its rule defines, on the issue's shapes
-    (longest runs of 30 / 50 / 70% sparsity) and narrow and odd ones, N from 1 to 64."""
+    (longest runs of 30 / 50 / 70% sparsity) and narrow and odd ones, N from 1 to 64; with the
+    default fixed cost per round (4 GroupTiles) and with SPINFER_SPLIT_FIXED (tenths) overriding it."""
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
     monkeypatch.delenv("SPINFER_SPLIT_MARGIN", raising=False)
+    if fixed is None:
+        monkeypatch.delenv("SPINFER_SPLIT_FIXED", raising=False)
+    else:
+        monkeypatch.setenv("SPINFER_SPLIT_FIXED", fixed)
+    cost = 4.0 if fixed is None else int(fixed) / 10
     for m, k, max_run in [(28672, 8192, 2200), (8192, 28672, 2200), (14336, 4096, 1360), (4096, 14336, 3000),
                           (4096, 4096, 2200), (4097, 1000, 2200), (300, 1450, 4096)]:
         for n in (1, 8, 16, 32, 64):
-            chosen, defined = rule_splits(m, k, max_run, n, dtype)
+            chosen, defined = rule_splits(m, k, max_run, n, dtype, cost)
             assert chosen == defined, f"{m}x{k} max_run {max_run} N={n}: planner {chosen}, rule {defined}"
 
 

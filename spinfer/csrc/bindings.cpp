@@ -289,8 +289,7 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   a.bf16 = bf16;
   const char* force_xsum = std::getenv("SPINFER_LOWBIT_XSUM");
   a.force_xsum = force_xsum != nullptr && force_xsum[0] == '1';
-  const char* rotate = std::getenv("SPINFER_LOWBIT_ROTATE");
-  a.rotate = rotate ? std::atoi(rotate) : kLowbitRotate;  // SPINFER_LOWBIT_ROTATE: A/B runs, tests
+  a.rotate = lowbit_rotate();
   C10_CUDA_CHECK(lowbit_mm_run(a, plan, at::cuda::getCurrentCUDAStream()));
 }
 

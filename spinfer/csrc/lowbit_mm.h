@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cuda_runtime.h>
 
 namespace spinfer {
@@ -36,6 +37,11 @@ struct LowbitArgs {
 // at distinct stages. The SMBD kernel gained nothing from the same rotation (its value runs have
 // no such stride). Accumulation order changes with it; results stay deterministic.
 constexpr int kLowbitRotate = 5;
+// The multiplier a launch uses: kLowbitRotate, or SPINFER_LOWBIT_ROTATE (A/B runs, tests; 0: off).
+inline int lowbit_rotate() {
+  const char* env = std::getenv("SPINFER_LOWBIT_ROTATE");
+  return env ? std::atoi(env) : kLowbitRotate;
+}
 
 struct LowbitPlan {
   int bn;          // tokens per block tile: 8, 16 or 32

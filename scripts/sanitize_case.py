@@ -2,7 +2,8 @@
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
 variants, the three register budgets, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
-width, both zero-point paths, and the balanced schedule (splits -1: ranges across row blocks)."""
+width, both zero-point paths, the balanced schedule (splits -1: ranges across row blocks), and
+split tail rows."""
 
 import os
 
@@ -44,5 +45,11 @@ for bits in (1, 2, 4, 8):
             x = torch.randn(n, k, device="cuda").to(dt)
             out = torch.empty(n, m, device="cuda", dtype=dt)
             spinfer.lowbit_mm(x, q, torch.randn(m, device="cuda").to(dt), out=out)
+# split tail rows (lowbit_mm.cu, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
+os.environ.pop("SPINFER_LOWBIT_SPLITS")
+os.environ["SPINFER_LOWBIT_TAIL"] = "3"
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+q = LowBitWeight.quantize(torch.randn(64 * (sms + 2) - 5, 1792, device="cuda").half(), 4, 128)
+spinfer.lowbit_mm(torch.randn(3, 1792, device="cuda").half(), q)
 torch.cuda.synchronize()
 print("sanitize cases ran")

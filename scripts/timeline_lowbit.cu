@@ -7,7 +7,8 @@
 //        scripts/timeline_lowbit.cu -o /tmp/timeline_lowbit && /tmp/timeline_lowbit [M] [K,K,...] [reps] [balanced]
 //
 // `balanced` launches the balanced schedule (SMs x 2 blocks, ranges across row blocks) instead
-// of one block per row block. SPINFER_LOWBIT_ROTATE sets the stage-order rotation as for the
+// of one block per row block; `tail:S` one block per row block but the rows past the last whole
+// wave of SMs split S ways (lowbit_mm.cu, tail_split). SPINFER_LOWBIT_ROTATE sets the stage-order rotation as for the
 // library (0: every block starts at stage 0).
 //
 // Printed per K (medians over the launches, µs): the launch's event time; when blocks start after
@@ -15,7 +16,9 @@
 // epilogue; when blocks end (10th / 50th / 90th percentile / last), all from the first block's
 // start; and the event time not covered by first start .. last end. Then, for the last launch,
 // when the blocks end by how many blocks their SM held (the block scheduler gives each SM the
-// blocks it gives, and the layer ends with its busiest SM).
+// blocks it gives, and the layer ends with its busiest SM). With TIMELINE_CSV set, the last
+// launch's blocks are also written there, one line per block: M, K, block (row block, split),
+// SM, and its entry, first stage, loop end and end from the first block's start (us).
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -60,7 +63,9 @@ int main(int argc, char** argv) {
     list = c == std::string::npos ? "" : list.substr(c + 1);
   }
   const int reps = argc > 3 ? std::atoi(argv[3]) : 20;
-  const bool balanced = argc > 4 && std::string(argv[4]) == "balanced";
+  const std::string schedule = argc > 4 ? argv[4] : "";
+  const bool balanced = schedule == "balanced";
+  const int tail_splits = schedule.rfind("tail:", 0) == 0 ? std::atoi(schedule.c_str() + 5) : 0;
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   if (m % 64 || m / 64 > (1 << 16)) return std::fprintf(stderr, "M must be a multiple of 64, at most 2^22\n"), 2;
@@ -75,7 +80,7 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   std::printf("M=%d, 4-bit g128, N=1, %s, no PDL, L2 flushed; medians of %d launches (us)\n", m,
-              balanced ? "balanced schedule" : "unsplit", reps);
+              balanced ? "balanced schedule" : tail_splits ? "tail rows split" : "unsplit", reps);
   std::printf("%6s %7s | %14s | %6s %7s %6s | %27s | %8s\n", "K", "event", "starts p50/max", "first", "loop",
               "epil.", "ends p10/p50/p90/max", "uncovered");
   for (const int k : ks) {
@@ -103,6 +108,12 @@ int main(int argc, char** argv) {
     p.grid_blocks = balanced ? g.blocks : p.row_blocks;
     p.splits = balanced ? g.shares : 1;
     p.iters_per_split = k / 256;  // one split: the whole row
+    if (tail_splits > 1 && p.row_blocks % sms) {  // as the planner's tail_split with S splits
+      const int stages = k / 256, iters = (stages + tail_splits - 1) / tail_splits;
+      p.tail_first = p.row_blocks / sms * sms, p.tail_iters = iters, p.tail_splits = (stages + iters - 1) / iters;
+      p.grid_blocks = p.tail_first + (p.row_blocks - p.tail_first) * p.tail_splits;
+      p.splits = p.tail_splits;
+    }
     const int blocks = p.grid_blocks;
     float* workspace = nullptr;
     int* counters = nullptr;
@@ -113,12 +124,13 @@ int main(int argc, char** argv) {
     }
     a.workspace = workspace, a.counters = counters;
     auto launch = [&] {
-      return balanced ? lowbit::Launcher<false, 4, 8, 1, true>::launch(a, p, 0)
+      return balanced ? lowbit::Launcher<false, 4, 8, 1, true>::launch(a, p, 0)  // (a tail split too)
                       : lowbit::Launcher<false, 4, 8, 1, false>::launch(a, p, 0);
     };
 
     std::vector<double> ev, s50, smax, first, loop, epil, e10, e50, e90, emax, unc;
     std::map<int, std::vector<double>> by_load;  // blocks on the SM -> their end times (last launch)
+    std::vector<unsigned long long> last;        // the last launch's stamps
     for (int r = -3; r < reps; ++r) {
       read_flush<<<264, 512>>>(flush, flush_bytes / 16, sink);
       CHECK(cudaEventRecord(e0));
@@ -146,10 +158,22 @@ int main(int argc, char** argv) {
       for (int b = 0; b < blocks; ++b) ++per_sm[t[b * 5 + 4]];
       by_load.clear();
       for (int b = 0; b < blocks; ++b) by_load[per_sm[t[b * 5 + 4]]].push_back(en[b]);
+      last = t;
     }
     std::printf("%6d %7.1f | %6.2f / %5.2f | %6.2f %7.2f %6.2f | %5.1f / %5.1f / %5.1f / %5.1f | %8.2f\n", k,
                 pct(ev, 0.5), pct(s50, 0.5), pct(smax, 0.5), pct(first, 0.5), pct(loop, 0.5), pct(epil, 0.5),
                 pct(e10, 0.5), pct(e50, 0.5), pct(e90, 0.5), pct(emax, 0.5), pct(unc, 0.5));
+    if (const char* path = std::getenv("TIMELINE_CSV")) {
+      FILE* f = std::fopen(path, "a");
+      unsigned long long t0 = ~0ull;
+      for (int b = 0; b < blocks; ++b) t0 = std::min(t0, last[b * 5]);
+      for (int b = 0; b < blocks && f; ++b) {
+        const unsigned long long* q = &last[b * 5];
+        std::fprintf(f, "%d,%d,%d,%llu,%.3f,%.3f,%.3f,%.3f\n", m, k, b, q[4], (q[0] - t0) * 1e-3, (q[1] - t0) * 1e-3,
+                     (q[2] - t0) * 1e-3, (q[3] - t0) * 1e-3);
+      }
+      if (f) std::fclose(f);
+    }
     for (const auto& [load, ends] : by_load)
       std::printf("        blocks on SMs holding %d: %4zu, end p50 %5.1f, max %5.1f\n", load, ends.size(), pct(ends, 0.5),
                   pct(ends, 1.0));

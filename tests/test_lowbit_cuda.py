@@ -129,6 +129,29 @@ def test_balanced_schedule_ranges_across_row_blocks(bits, dtype, monkeypatch):
             monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", "-1")
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_split_tail_rows(bits, monkeypatch):
+    """A layer with more row blocks than SMs, but not a whole number of waves, has the row blocks
+    past the last whole wave split (lowbit_mm.cu, tail_split): here SMs + SMs/4 + 1 row blocks
+    (M odd), so the tail is split about 4 ways by the rule, and 2 or 3 ways when forced
+    (SPINFER_LOWBIT_TAIL), K = 1792 leaving a short last split; 0 turns it off. N = 1, 7 and 16
+    (token tiles of 8 and 16), bias, every element written, deterministic."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, k = 64 * (sms + sms // 4) + 13, 1792
+    q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 64)
+    b = torch.randn(m, device="cuda").half()
+    for tail in (None, "0", "2", "3"):
+        if tail is None:
+            monkeypatch.delenv("SPINFER_LOWBIT_TAIL", raising=False)
+        else:
+            monkeypatch.setenv("SPINFER_LOWBIT_TAIL", tail)
+        for n in (1, 7, 16):
+            x = torch.randn(n, k, device="cuda").half()
+            y = fused(x, q, b)
+            assert rel_err(y, reference(x, q, b)) <= 2e-3, f"tail={tail} N={n}"
+            assert torch.equal(y, fused(x, q, b)), "split tail rows are summed in a fixed order"
+
+
 def test_planner_picks_balanced_or_split_schedules_exactly():
     """The planner's own choice on layers with more row blocks than the balanced schedule has
     blocks (M = 28672: balanced at N = 16 and 32 on an H100) and fewer (split-K or one block per row

@@ -280,7 +280,9 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
 
 // The schedule (schedule.cuh): a unit is one stage (K / 256 per row block, K / 128 at 8 bits) of
 // one 64-row block; the packed format stores the units in schedule order, so a block's weights
-// are one contiguous stream. The balanced schedule runs kBalancedPerSM blocks per SM.
+// are one contiguous stream. The balanced schedule runs kBalancedPerSM blocks per SM. The
+// one-block-per-row grid may split only its tail rows (LowbitArgs::tail_*): a 1-D grid of the
+// whole rows, then each tail row's splits.
 
 // CROSS: ranges may cross row blocks (the balanced schedule); without it a block's range is
 // one row block's stages, and the kernel keeps none of the bookkeeping for more.
@@ -306,16 +308,30 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   // (token tiles, row blocks, splits) and a split is iters_per_split stages: no division, which
   // every block would pay before its first copy.
   int row_first, it_begin, iters;
+  // Not CROSS: this block's row block, split and splits, from the grid and the split tail rows
+  // (LowbitArgs); derived again at the end rather than kept in registers through the loop.
+  auto tile_of_block = [&](int& row, int& split, int& splits) {
+    row = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    if (args.tail_splits > 1 && row >= args.tail_first) {
+      const unsigned j = row - args.tail_first;
+      row = args.tail_first + static_cast<int>(j / args.tail_splits);
+      split = static_cast<int>(j % args.tail_splits), splits = args.tail_splits;
+    }
+  };
   if constexpr (CROSS) {
     const Range range(Schedule(row_blocks, total_iters));
     row_first = range.row, it_begin = range.stage, iters = range.units;
   } else {
-    row_first = blockIdx.y, it_begin = blockIdx.z * iters_per_split;
-    iters = max(0, min(total_iters, it_begin + iters_per_split) - it_begin);
+    int split, splits;
+    tile_of_block(row_first, split, splits);
+    const int per_split = splits > 1 && args.tail_splits > 1 && blockIdx.y >= args.tail_first ? args.tail_iters
+                                                                                             : iters_per_split;
+    it_begin = split * per_split;
+    iters = max(0, min(total_iters, it_begin + per_split) - it_begin);
   }
   // The stage this block starts at, its copy cursors wrapping back to the range's first stage
   // after the last (kLowbitRotate, lowbit_mm.h): row blocks read different column offsets at once.
-  const int rot = !CROSS && args.rotate > 0 && iters > 1 ? (blockIdx.y * args.rotate) % iters : 0;
+  const int rot = !CROSS && args.rotate > 0 && iters > 1 ? (row_first * args.rotate) % iters : 0;
 
   // All threads: 16-byte copies of weights and activations, 4-byte copies of (scale, zero)
   // pairs. Weight tiles are padded to 64 rows and whole stages in the format; scales of rows
@@ -649,7 +665,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     flush_shared(row_last,
                  (row_last != row_first || it_begin == 0) && unit_end == static_cast<int64_t>(row_last + 1) * total_iters);
   } else {
-    flush(blockIdx.y, blockIdx.z, gridDim.z);
+    int row, split, splits;
+    tile_of_block(row, split, splits);
+    flush(row, split, splits);
   }
   SPINFER_MARK(3);
 #ifdef SPINFER_TIMELINE
@@ -671,9 +689,14 @@ struct Launcher {
     if (cudaError_t err = allow_smem(); err != cudaSuccess) return err;
     // Balanced: (token tiles, blocks); else (token tiles, row blocks, splits) of
     // plan.iters_per_split stages each.
-    const dim3 grid = BALANCED ? dim3(plan.n_tiles, plan.grid_blocks) : dim3(plan.n_tiles, plan.row_blocks, plan.splits);
+    // With split tail rows: (1, whole rows + tail rows x their splits).
+    const dim3 grid = BALANCED               ? dim3(plan.n_tiles, plan.grid_blocks)
+                      : plan.tail_splits > 1 ? dim3(1, plan.grid_blocks)
+                                             : dim3(plan.n_tiles, plan.row_blocks, plan.splits);
     const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * kBlockRows;
-    return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, args, plan.chunks, split_stride,
+    LowbitArgs a = args;
+    a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
+    return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, a, plan.chunks, split_stride,
                          plan.iters_per_split);
   }
   // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).

@@ -24,6 +24,9 @@ struct LowbitArgs {
   bool bf16;
   bool force_xsum;         // apply every zero point through sum(x) (SPINFER_LOWBIT_XSUM=1: A/B runs, tests)
   int rotate;              // stage-order rotation (kLowbitRotate; SPINFER_LOWBIT_ROTATE overrides, 0: off)
+  // Set by the launch from the plan (kernel arguments live in the constant bank, not in the
+  // loop's registers): rows from tail_first on are split tail_splits ways, tail_iters stages each.
+  int tail_first, tail_splits, tail_iters;
 };
 
 // A block of row block r (one-block-per-row and split-K grids) takes its stages starting at stage
@@ -56,6 +59,10 @@ struct LowbitPlan {
   int ng;          // scale groups per 128-column chunk: 1 (group >= 128), 2 (64) or 4 (32)
   int blocks_per_sm;  // resident blocks of this variant (occupancy API)
   bool balanced;   // the balanced schedule (its kernel variant takes ranges across row blocks)
+  // Split tail rows (lowbit_mm.cu, tail_split): the row blocks from tail_first on are split
+  // tail_splits ways (tail_iters stages each, grid_blocks blocks in all); the others are whole.
+  // tail_splits 0: none.
+  int tail_first, tail_splits, tail_iters;
   int64_t workspace_floats;
   int counters;
   bool pdl;        // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)

@@ -8,8 +8,8 @@
 //
 // `balanced` launches the balanced schedule (SMs x 2 blocks, ranges across row blocks) instead
 // of one block per row block; `tail:S` one block per row block but the rows past the last whole
-// wave of SMs split S ways (lowbit_mm.cu, tail_split). SPINFER_LOWBIT_ROTATE sets the stage-order rotation as for the
-// library (0: every block starts at stage 0).
+// wave of SMs split S ways (lowbit_mm.cu, tail_split). SPINFER_LOWBIT_ROTATE sets the stage-order
+// rotation as for the library (0: every block starts at stage 0).
 //
 // Printed per K (medians over the launches, µs): the launch's event time; when blocks start after
 // the first one (median / last); how long a block waits for its first stage; its main loop; its
@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
     }
     a.workspace = workspace, a.counters = counters;
     auto launch = [&] {
-      return balanced ? lowbit::Launcher<false, 4, 8, 1, true>::launch(a, p, 0)  // (a tail split too)
+      return balanced ? lowbit::Launcher<false, 4, 8, 1, true>::launch(a, p, 0)
                       : lowbit::Launcher<false, 4, 8, 1, false>::launch(a, p, 0);
     };
 

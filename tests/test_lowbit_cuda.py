@@ -133,14 +133,15 @@ def test_balanced_schedule_ranges_across_row_blocks(bits, dtype, monkeypatch):
 def test_split_tail_rows(bits, monkeypatch):
     """A layer with more row blocks than SMs, but not a whole number of waves, has the row blocks
     past the last whole wave split (lowbit_mm.cu, tail_split): here SMs + SMs/4 + 1 row blocks
-    (M odd), so the tail is split about 4 ways by the rule, and 2 or 3 ways when forced
-    (SPINFER_LOWBIT_TAIL), K = 1792 leaving a short last split; 0 turns it off. N = 1, 7 and 16
-    (token tiles of 8 and 16), bias, every element written, deterministic."""
+    (M odd), whose tail the rule splits 3 ways on an H100 (9 stages of 256 columns at K = 2304,
+    18 at 8 bits); forced (SPINFER_LOWBIT_TAIL) 2 ways, leaving a short last split, and 4 ways,
+    more tail blocks than SMs; 0 turns it off. N = 1, 7 and 16 (token tiles of 8 and 16), bias,
+    every element written, deterministic."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    m, k = 64 * (sms + sms // 4) + 13, 1792
+    m, k = 64 * (sms + sms // 4) + 13, 2304
     q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 64)
     b = torch.randn(m, device="cuda").half()
-    for tail in (None, "0", "2", "3"):
+    for tail in (None, "0", "2", "4"):
         if tail is None:
             monkeypatch.delenv("SPINFER_LOWBIT_TAIL", raising=False)
         else:

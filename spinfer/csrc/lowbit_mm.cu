@@ -119,10 +119,9 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   const int total_iters = (p.chunks + u - 1) / u;
   const int64_t units = static_cast<int64_t>(p.row_blocks) * total_iters;
   int splits = 0;  // split-K factor, or -1: the balanced schedule
-  bool rule = true;  // the planner's own choice (not forced by the caller or SPINFER_LOWBIT_SPLITS)
   if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) splits = std::max(-1, std::atoi(env));
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
-  rule = splits == 0;
+  const bool rule = splits == 0;  // the planner's own choice, not the caller's or SPINFER_LOWBIT_SPLITS
   const int resident = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, false);
   if (splits == 0) {
     // The balanced schedule at 9 <= N <= 32 (token tile 16 or 32, one tile) where a layer has

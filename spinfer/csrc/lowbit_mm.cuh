@@ -324,8 +324,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   } else {
     int split, splits;
     tile_of_block(row_first, split, splits);
-    const int per_split = splits > 1 && args.tail_splits > 1 && blockIdx.y >= args.tail_first ? args.tail_iters
-                                                                                             : iters_per_split;
+    const int per_split = args.tail_splits > 1 && blockIdx.y >= args.tail_first ? args.tail_iters : iters_per_split;
     it_begin = split * per_split;
     iters = max(0, min(total_iters, it_begin + per_split) - it_begin);
   }

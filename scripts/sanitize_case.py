@@ -45,7 +45,7 @@ for bits in (1, 2, 4, 8):
             x = torch.randn(n, k, device="cuda").to(dt)
             out = torch.empty(n, m, device="cuda", dtype=dt)
             spinfer.lowbit_mm(x, q, torch.randn(m, device="cuda").to(dt), out=out)
-# split tail rows (lowbit_mm.cu, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
+# split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
 os.environ.pop("SPINFER_LOWBIT_SPLITS")
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -8,7 +8,7 @@
 //
 // `balanced` launches the balanced schedule (SMs x 2 blocks, ranges across row blocks) instead
 // of one block per row block; `tail:S` one block per row block but the rows past the last whole
-// wave of SMs split S ways (lowbit_mm.cu, tail_split). SPINFER_LOWBIT_ROTATE sets the stage-order
+// wave of SMs split S ways (schedule.cuh, tail_split). SPINFER_LOWBIT_ROTATE sets the stage-order
 // rotation as for the library (0: every block starts at stage 0).
 //
 // Printed per K (medians over the launches, µs): the launch's event time; when blocks start after
@@ -108,11 +108,11 @@ int main(int argc, char** argv) {
     p.grid_blocks = balanced ? g.blocks : p.row_blocks;
     p.splits = balanced ? g.shares : 1;
     p.iters_per_split = k / 256;  // one split: the whole row
-    if (tail_splits > 1 && p.row_blocks % sms) {  // as the planner's tail_split with S splits
-      const int stages = k / 256, iters = (stages + tail_splits - 1) / tail_splits;
-      p.tail_first = p.row_blocks / sms * sms, p.tail_iters = iters, p.tail_splits = (stages + iters - 1) / iters;
-      p.grid_blocks = p.tail_first + (p.row_blocks - p.tail_first) * p.tail_splits;
-      p.splits = p.tail_splits;
+    // 4: the resident blocks of this BN = 8 variant
+    if (const TailSplit t = tail_split(p.row_blocks, sms, 4, k / 256, tail_splits); tail_splits > 1 && t.splits > 1) {
+      p.tail_first = t.first, p.tail_splits = t.splits, p.tail_iters = t.iters;  // as the planner
+      p.grid_blocks = t.first + (p.row_blocks - t.first) * t.splits;
+      p.splits = t.splits;
     }
     const int blocks = p.grid_blocks;
     float* workspace = nullptr;

@@ -132,7 +132,7 @@ def test_balanced_schedule_ranges_across_row_blocks(bits, dtype, monkeypatch):
 @pytest.mark.parametrize("bits", BITS)
 def test_split_tail_rows(bits, monkeypatch):
     """A layer with more row blocks than SMs, but not a whole number of waves, has the row blocks
-    past the last whole wave split (lowbit_mm.cu, tail_split): here SMs + SMs/4 + 1 row blocks
+    past the last whole wave split (schedule.cuh, tail_split): here SMs + SMs/4 + 1 row blocks
     (M odd), whose tail the rule splits 3 ways on an H100 (9 stages of 256 columns at K = 2304,
     18 at 8 bits); forced (SPINFER_LOWBIT_TAIL) 2 ways, leaving a short last split, and 4 ways,
     more tail blocks than SMs; 0 turns it off. N = 1, 7 and 16 (token tiles of 8 and 16), bias,

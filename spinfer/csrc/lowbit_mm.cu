@@ -67,32 +67,6 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
   return std::max(1, std::min({want, fit, std::max(1, total_iters / kMinItersPerSplit)}));
 }
 
-// Split tail rows. A layer of R >= SMs row blocks, one block each, runs floor(R / SMs) blocks
-// on every SM and one more on R mod SMs of them, which the block scheduler issues last: their
-// first stages land last and they share their SM with the others, so they end last.
-// Timeline of 28672x8192 4-bit at N = 1 on H100 (448 blocks: 80 SMs hold 3, 52 hold 4; the
-// 4th blocks are rows 396-447): the 3-block SMs end at 45.5 us (p50), the 4th blocks at 52.3,
-// the launch at 56. Splitting those tail rows over the SMs as short split-K blocks, as many as
-// give every SM at most one more (floor(SMs / tail) splits), leaves every SM the same whole
-// rows plus a shorter share. H100, same process, off -> on (2 splits), N = 1 / 4 / 8, us:
-// 4-bit g128 28672x8192 55.6 / 57.3 / 63.4 -> 53.3 / 54.2 / 60.0, 28672x4096 31.6 / 31.7 / 34.9 ->
-// 30.1 / 30.5 / 33.2; 8-bit 28672x8192 96.7 -> 93.6 at N = 1; 2-bit g64 28672x8192 52.1 -> 46.4.
-// 3 or 4 splits (the tail blocks exceed the SMs: some get two) measured between the two.
-// SPINFER_LOWBIT_TAIL=0 turns it off, =S forces S splits (A/B runs).
-struct TailSplit {
-  int first, splits, iters;
-};
-TailSplit tail_split(int rows, int sms, int resident, int total_iters) {
-  const int waves = rows / sms, tail = rows - waves * sms;
-  if (waves < 1 || tail == 0 || waves + 1 > resident) return {0, 0, 0};
-  int s = sms / tail;
-  if (const char* env = std::getenv("SPINFER_LOWBIT_TAIL")) s = std::atoi(env);
-  s = std::min(s, total_iters / 2);  // at least two stages a split
-  if (s < 2) return {0, 0, 0};
-  const int iters = (total_iters + s - 1) / s;
-  return {waves * sms, (total_iters + iters - 1) / iters, iters};  // no empty splits
-}
-
 }  // namespace
 }  // namespace lowbit
 
@@ -153,7 +127,12 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     p.grid_blocks = p.row_blocks * p.splits;
   }
   if (rule && !p.balanced && p.splits == 1 && p.n_tiles == 1) {
-    const TailSplit t = tail_split(p.row_blocks, sms, resident, total_iters);
+    // Split tail rows (schedule.cuh). SPINFER_LOWBIT_TAIL: 0 turns the split off, S > 0 forces S
+    // splits (A/B runs, tests).
+    const char* env = std::getenv("SPINFER_LOWBIT_TAIL");
+    const int wanted = env ? std::atoi(env) : 0;
+    const TailSplit t =
+        env && wanted <= 0 ? TailSplit{0, 0, 0} : tail_split(p.row_blocks, sms, resident, total_iters, wanted);
     if (t.splits > 1) {
       p.tail_first = t.first, p.tail_splits = t.splits, p.tail_iters = t.iters;
       p.grid_blocks = t.first + (p.row_blocks - t.first) * t.splits;

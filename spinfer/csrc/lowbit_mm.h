@@ -59,7 +59,7 @@ struct LowbitPlan {
   int ng;          // scale groups per 128-column chunk: 1 (group >= 128), 2 (64) or 4 (32)
   int blocks_per_sm;  // resident blocks of this variant (occupancy API)
   bool balanced;   // the balanced schedule (its kernel variant takes ranges across row blocks)
-  // Split tail rows (lowbit_mm.cu, tail_split): the row blocks from tail_first on are split
+  // Split tail rows (schedule.cuh, tail_split): the row blocks from tail_first on are split
   // tail_splits ways (tail_iters stages each, grid_blocks blocks in all); the others are whole.
   // tail_splits 0: none.
   int tail_first, tail_splits, tail_iters;

@@ -75,4 +75,29 @@ inline BalancedGrid balanced_grid(int sms, int per_sm, int n_tiles, int row_bloc
   return {blocks, std::min(blocks, shares)};
 }
 
+// Split tail rows. A layer of R >= SMs row blocks, one block each, runs floor(R / SMs) blocks
+// on every SM and one more on R mod SMs of them, which the block scheduler issues last: their
+// first stages land last and they share their SM with the others, so they end last.
+// Timeline of 28672x8192 4-bit at N = 1 on H100 (448 blocks: 80 SMs hold 3, 52 hold 4; the
+// 4th blocks are rows 396-447): the 3-block SMs end at 45.5 us (p50), the 4th blocks at 52.3,
+// the launch at 56. Splitting those tail rows over the SMs as short split-K blocks, as many as
+// give every SM at most one more (floor(SMs / tail) splits), leaves every SM the same whole
+// rows plus a shorter share. H100, same process, off -> on (2 splits), N = 1 / 4 / 8, us:
+// 4-bit g128 28672x8192 55.6 / 57.3 / 63.4 -> 53.3 / 54.2 / 60.0, 28672x4096 31.6 / 31.7 / 34.9 ->
+// 30.1 / 30.5 / 33.2; 8-bit 28672x8192 96.7 -> 93.6 at N = 1; 2-bit g64 28672x8192 52.1 -> 46.4.
+// 3 or 4 splits (the tail blocks exceed the SMs: some get two) measured between the two.
+// `wanted` > 0 asks for that many splits (the planner passes SPINFER_LOWBIT_TAIL, an A/B switch
+// whose 0 turns the split off; scripts/timeline_lowbit.cu its `tail:S`).
+struct TailSplit {
+  int first, splits, iters;
+};
+inline TailSplit tail_split(int rows, int sms, int resident, int total_iters, int wanted = 0) {
+  const int waves = rows / sms, tail = rows - waves * sms;
+  if (waves < 1 || tail == 0 || waves + 1 > resident) return {0, 0, 0};
+  const int s = std::min(wanted > 0 ? wanted : sms / tail, total_iters / 2);  // at least two stages a split
+  if (s < 2) return {0, 0, 0};
+  const int iters = (total_iters + s - 1) / s;
+  return {waves * sms, (total_iters + iters - 1) / iters, iters};  // no empty splits
+}
+
 }  // namespace spinfer

@@ -3,7 +3,7 @@ split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K)
 variants, the three register budgets, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, both zero-point paths, the balanced schedule (splits -1: ranges across row blocks), and
-split tail rows."""
+split tail rows; the weight-to-dense kernels on odd shapes, with corrupt TCA-BME offsets."""
 
 import os
 
@@ -51,5 +51,16 @@ os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 q = LowBitWeight.quantize(torch.randn(64 * (sms + 2) - 5, 1792, device="cuda").half(), 4, 128)
 spinfer.lowbit_mm(torch.randn(3, 1792, device="cuda").half(), q)
+# weight to dense (to_dense.cu): odd shapes, every width, and corrupt offsets
+for dt in (torch.float16, torch.bfloat16):
+    w = torch.randn(130, 1001, device="cuda").to(dt)
+    w[torch.rand(130, 1001, device="cuda") < 0.6] = 0
+    enc = TCABME.from_dense(w)
+    enc.to_dense()
+    for off in (enc.gtile_offset.flip(0), -enc.gtile_offset, torch.full_like(enc.gtile_offset, 2**31 - 1)):
+        torch.ops.spinfer.tca_bme_to_dense(enc.bitmap, enc.values, off, 130, 1001, 64, 64)
+    for bits in (1, 2, 4, 8):
+        for k, group in ((1000, None), (1152, 32), (1280, 256)):
+            spinfer.ops.lowbit_to_dense(LowBitWeight.quantize(torch.randn(70, k, device="cuda").to(dt), bits, group))
 torch.cuda.synchronize()
 print("sanitize cases ran")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ["bindings.cpp", "spmm_smbd.cu", "spmm_smbd_fp16.cu", "spmm_smbd_bf16.cu", "lowbit_mm.cu"] + [
+SOURCES = ["bindings.cpp", "spmm_smbd.cu", "spmm_smbd_fp16.cu", "spmm_smbd_bf16.cu", "lowbit_mm.cu", "to_dense.cu"] + [
     f"lowbit_mm_{dt}_{bits}.cu" for dt in ("fp16", "bf16") for bits in (1, 2, 4, 8)
 ]
 CUDA_FLAGS = [  # no -std: torch adds the one its headers need (C++20 for torch 2.10+)

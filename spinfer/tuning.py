@@ -144,15 +144,16 @@ def tune_spmm(weight, ns: Iterable[int] = (1, 8, 16, 32), *, candidates=SPMM_CAN
 def tune_lowbit(weight, ns: Iterable[int] = (1, 8, 16, 32), *, candidates=LOWBIT_CANDIDATES, reps: int = 20,
                 save: bool = True) -> Dict[int, dict]:
     """:func:`tune_spmm` for ``spinfer.lowbit_mm`` and a CUDA :class:`~spinfer.LowBitWeight`
-    (the fused kernel, N <= FUSED_MAX_N)."""
-    from .ops.lowbit_mm import FUSED_MAX_N, lowbit_mm
+    (the fused kernel, N <= fused_max_n(bits): where lowbit_mm runs it)."""
+    from .ops.lowbit_mm import fused_max_n, lowbit_mm
     from .quant import LowBitWeight
 
     if not isinstance(weight, LowBitWeight) or weight.qweight.device.type != "cuda":
         raise TypeError("tune_lowbit needs a LowBitWeight on a CUDA device")
     ns = list(ns)
-    if any(isinstance(n, int) and n > FUSED_MAX_N for n in ns):
-        raise ValueError(f"the fused low-bit kernel serves N <= {FUSED_MAX_N}; got {ns}")
+    if any(isinstance(n, int) and n > fused_max_n(weight.bits) for n in ns):
+        raise ValueError(f"lowbit_mm runs the fused kernel for N <= {fused_max_n(weight.bits)} at {weight.bits} bits; "
+                         f"got {ns}")
     device = weight.qweight.device
     return _tune(lambda x, s: lowbit_mm(x, weight, splits=s), lambda n: _lowbit_key(device, weight, n), ns,
                  candidates, weight.shape[1], device, weight.scale_zero.dtype, reps, save)

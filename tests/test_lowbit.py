@@ -253,3 +253,4 @@ def test_balanced_schedule_partition_bounds():
                 assert shares <= bound, (rows, t, g)
                 if g % rows == 0:
                     assert shares == bound
+

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import spinfer
-from spinfer.ops.lowbit_mm import FUSED_MAX_N
+from spinfer.ops.lowbit_mm import fused_max_n
 from spinfer.quant import LowBitWeight
 from tests.conftest import rel_err
 from tests.test_lowbit import random_gptq
@@ -31,7 +31,8 @@ def fused(x, q, bias=None):
 
 
 def reference(x, q, bias=None):
-    y = x.double() @ q.dequantize().double().t()
+    # the CPU dequantizer: independent of the CUDA one (tests/test_to_dense_cuda.py checks both agree)
+    y = x.double() @ q.to("cpu").dequantize().double().to(x.device).t()
     return y if bias is None else y + bias.double()
 
 
@@ -308,7 +309,7 @@ def test_batch_dims_views_and_empty():
 
 def test_dispatch_uses_cublas_above_the_crossover():
     q = LowBitWeight.quantize(torch.randn(64, 256, device="cuda").half(), 4, 64)
-    x = torch.randn(FUSED_MAX_N + 1, 256, device="cuda").half()
+    x = torch.randn(fused_max_n(4) + 1, 256, device="cuda").half()
     assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3
 
 

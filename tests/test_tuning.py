@@ -10,6 +10,7 @@ import torch
 import spinfer
 from spinfer import tuning
 from spinfer.format import TCABME
+from spinfer.ops.lowbit_mm import fused_max_n
 from spinfer.quant import LowBitWeight
 from tests.conftest import rel_err
 from tests.test_tca_bme import random_sparse
@@ -158,5 +159,5 @@ def test_tune_spmm_and_lowbit_record_their_choice(table):
     assert tuning.lowbit_splits(q, 8, torch.device("cuda")) == rq[8]["splits"]
     saved = json.loads((table / "splits.json").read_text())
     assert len(saved) == 3
-    with pytest.raises(ValueError, match="N <= 256"):
-        tuning.tune_lowbit(q, [300])
+    with pytest.raises(ValueError, match=f"N <= {fused_max_n(4)} at 4 bits"):
+        tuning.tune_lowbit(q, [fused_max_n(4) + 1])

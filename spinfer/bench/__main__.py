@@ -1,4 +1,4 @@
-"""``spinfer bench {spmm,lowbit,e2e,policy,compression,roofline}``: run a study, print its table, and write CSV and
+"""``spinfer bench {spmm,lowbit,to_dense,e2e,policy,compression,roofline}``: run a study, print its table, and write CSV and
 PNG files into a results folder.
 
     spinfer bench compression [--shape 4096x4096] [--quick] [--out results]
@@ -6,6 +6,7 @@ PNG files into a results folder.
                            [--bandwidth GBPS --flops TFLOPS | --measure]
     spinfer bench spmm [--quick] [--csv results/spmm.csv]          (needs a CUDA GPU)
     spinfer bench lowbit [--quick] [--csv results/lowbit.csv]      (needs a CUDA GPU)
+    spinfer bench to_dense [--quick] [--csv results/to_dense.csv]  (needs a CUDA GPU)
     spinfer bench e2e [--layers 4] [--batches 1,8,16]              (CUDA; --tiny --device cpu smoke run)
     spinfer bench policy [--calibrate]                             (needs a CUDA GPU)
 """
@@ -120,8 +121,13 @@ def main(argv=None) -> int:
         from .lowbit import main as lowbit_main
 
         return lowbit_main(rest)
+    if study == "to_dense":
+        from .to_dense import main as to_dense_main
+
+        return to_dense_main(rest)
     if study not in studies:
-        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, e2e, policy, compression, roofline", file=sys.stderr)
+        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, to_dense, e2e, policy, compression, "
+              "roofline", file=sys.stderr)
         return 2
     try:
         return studies[study](rest)

@@ -2,8 +2,8 @@
 
 For each (M, K), N and configuration (bits, group): median time with the L2 flushed before
 every call of cuBLAS fp16 (F.linear on the dense weight), spinfer.lowbit_mm (the dispatch:
-fused kernel for N <= FUSED_MAX_N, dequantize + cuBLAS above; the fused kernel is also timed
-above FUSED_MAX_N, the "fused us" column, to place the crossover) and, for 4-bit g128, torch's
+fused kernel for N <= fused_max_n(bits), dequantize + cuBLAS above; the fused kernel is also
+timed above it, the "fused us" column) and, for 4-bit g128, torch's
 ``aten._weight_int4pack_mm`` (tinygemm; bf16 activations, which is what it accepts on CUDA).
 Reports ratios to cuBLAS and the fused kernel's bandwidth (packed weight + scales + zeros + x +
 y bytes over time) against the measured copy bandwidth.
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import spinfer
 from spinfer import tuning
 from spinfer.bench import parse_shapes, write_rows
-from spinfer.ops.lowbit_mm import FUSED_MAX_N
+from spinfer.ops.lowbit_mm import FUSED_MAX_N, fused_max_n
 from spinfer.quant import LowBitWeight
 from spinfer.timing import copy_bandwidth, median_time
 
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev)
     print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); fp16; "
           f"L2 flushed before every call; median of {a.reps}; fused kernel for N <= "
-          f"{FUSED_MAX_N}; split-K {'tuned per layer and N (spinfer.tuning)' if a.tuned else 'by the planner'}")
+          f"{FUSED_MAX_N} (by bits); split-K {'tuned per layer and N (spinfer.tuning)' if a.tuned else 'by the planner'}")
     print(f"{'M':>6} {'K':>6} {'N':>4} {'bits':>4} {'group':>5} {'cuBLAS us':>10} {'lowbit us':>9} {'x cuBLAS':>8} "
           f"{'GB/s':>6} {'% copy':>6} {'int4 us':>8} {'x cuBLAS':>8} {'fused us':>8} {'splits':>6}")
     rows = []
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             wbytes = q.storage_bytes().total
             # splits: the tuned factor per N (0: the planner's), or 0 everywhere: explicit, so a
             # tuned table in the user's cache never leaks into planner figures.
-            fused_ns = [n for n in ns if n <= FUSED_MAX_N]
+            fused_ns = [n for n in ns if n <= fused_max_n(bits)]
             chosen = dict.fromkeys(ns, 0)
             if a.tuned:
                 chosen.update({n: r["splits"] for n, r in tuning.tune_lowbit(q, fused_ns, save=False).items()})
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                 t_dense = median_time(lambda: F.linear(x, dense), dev, reps=a.reps)
                 t_q = median_time(lambda: spinfer.lowbit_mm(x, q, splits=chosen[n]), dev, reps=a.reps)
                 out = torch.empty(n, m, device=dev, dtype=x.dtype)
-                t_f = t_q if n <= FUSED_MAX_N else median_time(lambda: spinfer.lowbit_mm(x, q, out=out, splits=0), dev,
+                t_f = t_q if n <= fused_max_n(bits) else median_time(lambda: spinfer.lowbit_mm(x, q, out=out, splits=0), dev,
                                                                 reps=a.reps)
                 t_i4 = None
                 if (bits, group) == (4, 128):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 
 import torch
 
@@ -19,9 +20,9 @@ from spinfer.nn import policy as P
 from spinfer.timing import median_time
 
 SHAPES = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]
-NS = [1, 8, 16, 32, 64, 128]
+NS = [1, 8, 16, 32, 64, 128, 256, 1024]
 # (label, sparsity, quant): TCA-BME layers choose per N between SpMM and decode+dense. (A 4-bit
-# layer has one kernel; lowbit_mm switches to dequantize+cuBLAS above FUSED_MAX_N itself.)
+# layer has one kernel; lowbit_mm switches to dequantize+cuBLAS above fused_max_n(bits) itself.)
 FORMATS = [("tca-bme 30%", 0.3, None), ("tca-bme 50%", 0.5, None), ("tca-bme 70%", 0.7, None)]
 
 
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     shapes = parse_shapes(a.shapes) if a.shapes else SHAPES
     prof = P.calibrate(dev) if a.calibrate else P.profile_for(dev)
     print(f"device {torch.cuda.get_device_name(dev)}; profile: {prof.name} (measured={prof.measured})")
+    print("constants: " + ", ".join(f"{k}={v}" for k, v in asdict(prof).items() if k not in ("name", "measured")))
     print(f"{'M':>6} {'K':>6} {'format':<12} {'N':>4} {'chosen':<13} {'fastest':<13} {'slowdown':>8}  measured us")
     cases = hits = 0
     worst = 1.0

@@ -16,6 +16,7 @@
 
 #include "lowbit_mm.h"
 #include "spmm_smbd.h"
+#include "to_dense.h"
 
 namespace spinfer {
 namespace {
@@ -201,6 +202,39 @@ void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tens
   run(p, gtile_offset, m, max_run, bias, splits, out);
 }
 
+// The packed low-bit arrays of an [m, k] weight (spinfer/quant/lowbit.py layout), checked for the
+// kernels that read them (the fused matmul and the decode to dense): K padded to whole 256-column
+// stages (two 128-column stages at 8 bits), and the shift that maps a column to its group.
+struct LowbitGeometry {
+  int64_t kp, groups;
+  int group_shift;  // log2(group size); 30 for one group per row (per-channel): every column maps to 0
+};
+
+LowbitGeometry check_lowbit_arrays(const at::Tensor& qweight, const at::Tensor& scale_zero, int64_t bits,
+                                   int64_t group_size, int64_t m, int64_t k) {
+  TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(m >= 1 && k >= 1 && group_size >= 1 && k % group_size == 0,
+                    "bad low-bit geometry: m=", m, " k=", k, " group_size=", group_size);
+  LowbitGeometry g{(k + 255) / 256 * 256, k / group_size, 30};
+  const int64_t stage = bits == 8 ? 128 : 256;
+  TORCH_CHECK_TYPE(qweight.scalar_type() == at::kInt, "qweight must be int32");
+  TORCH_CHECK_VALUE(qweight.dim() == 4 && qweight.size(0) == (m + 63) / 64 && qweight.size(1) == g.kp / stage &&
+                        qweight.size(2) == 64 && qweight.size(3) == stage * bits / 32,
+                    "qweight must be [", (m + 63) / 64, ", ", g.kp / stage, ", 64, ", stage * bits / 32, "], got ",
+                    qweight.sizes());
+  TORCH_CHECK_TYPE(scale_zero.scalar_type() == at::kHalf || scale_zero.scalar_type() == at::kBFloat16,
+                   "scale_zero must be float16 or bfloat16, got ", scale_zero.scalar_type());
+  TORCH_CHECK_VALUE(scale_zero.dim() == 3 && scale_zero.size(0) == m && scale_zero.size(1) == g.groups &&
+                        scale_zero.size(2) == 2,
+                    "scale_zero must be [", m, ", ", g.groups, ", 2], got ", scale_zero.sizes());
+  if (g.groups > 1) {  // group sizes 32..256 are powers of two
+    TORCH_CHECK_VALUE((group_size & (group_size - 1)) == 0, "group_size must be a power of two, got ", group_size);
+    g.group_shift = 0;
+    while ((int64_t(1) << g.group_shift) < group_size) ++g.group_shift;
+  }
+  return g;
+}
+
 // ---- lowbit_mm_out: the fused low-bit kernel. The Python layer (LowBitWeight and
 // check_op_inputs) has already checked everything below; these checks guard direct calls.
 void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero,
@@ -210,25 +244,13 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::lowbit_mm_out (CUDA) got x on ", x.device());
   TORCH_CHECK_VALUE(splits >= -1, "splits must be >= -1 (0: the planner's choice, -1: the balanced schedule), got ",
                     splits);
-  TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
-  TORCH_CHECK_VALUE(m >= 1 && k >= 1 && group_size >= 1 && k % group_size == 0,
-                    "bad low-bit geometry: m=", m, " k=", k, " group_size=", group_size);
-  // The kernel's stages are whole 256-column tiles (two 128-column stages at 8 bits).
-  const int64_t kp = (k + 255) / 256 * 256, groups = k / group_size;
-  const int64_t stage = bits == 8 ? 128 : 256;
+  const LowbitGeometry geo = check_lowbit_arrays(qweight, scale_zero, bits, group_size, m, k);
+  const int64_t kp = geo.kp, groups = geo.groups;
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "x must be [N, ", k, "], got ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
                    "x must be float16 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(qweight.scalar_type() == at::kInt, "qweight must be int32");
-  TORCH_CHECK_VALUE(qweight.dim() == 4 && qweight.size(0) == (m + 63) / 64 && qweight.size(1) == kp / stage &&
-                        qweight.size(2) == 64 && qweight.size(3) == stage * bits / 32,
-                    "qweight must be [", (m + 63) / 64, ", ", kp / stage, ", 64, ", stage * bits / 32, "], got ",
-                    qweight.sizes());
   TORCH_CHECK_TYPE(scale_zero.scalar_type() == x.scalar_type(), "scale_zero is ", scale_zero.scalar_type(),
                    " but x is ", x.scalar_type());
-  TORCH_CHECK_VALUE(scale_zero.dim() == 3 && scale_zero.size(0) == m && scale_zero.size(1) == groups &&
-                        scale_zero.size(2) == 2,
-                    "scale_zero must be [", m, ", ", groups, ", 2], got ", scale_zero.sizes());
   for (const at::Tensor* t : {&qweight, &scale_zero, const_cast<const at::Tensor*>(&out)})
     TORCH_CHECK_VALUE(t->device() == x.device(), "x is on ", x.device(), " but an array is on ", t->device());
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
@@ -276,14 +298,7 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   a.m = static_cast<int>(m);
   a.n = static_cast<int>(n);
   a.kp = static_cast<int>(kp);
-  // Group sizes are 32..256 (powers of two) or K (per-channel: one group, shifted to index 0).
-  int shift = 30;
-  if (groups > 1) {
-    TORCH_CHECK_VALUE((group_size & (group_size - 1)) == 0, "group_size must be a power of two, got ", group_size);
-    shift = 0;
-    while ((int64_t(1) << shift) < group_size) ++shift;
-  }
-  a.group_shift = shift;
+  a.group_shift = geo.group_shift;
   a.groups = static_cast<int>(groups);
   a.bits = static_cast<int>(bits);
   a.bf16 = bf16;
@@ -309,10 +324,72 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
           spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk};
 }
 
+// ---- tca_bme_to_dense / lowbit_to_dense: the weight as a dense [m, k] matrix (to_dense.cu). The
+// Python callers (TCABME.to_dense, LowBitWeight.dequantize, lowbit_mm) hold validated weights;
+// these checks guard direct calls, so the kernels never index past the arrays.
+at::Tensor tca_bme_to_dense_cuda(const at::Tensor& bitmap, const at::Tensor& values, const at::Tensor& gtile_offset,
+                                 int64_t m, int64_t k, int64_t gt_h, int64_t gt_w) {
+  TORCH_CHECK_VALUE(gt_h == kGt && gt_w == kGt, "spinfer::tca_bme_to_dense on CUDA supports GroupTile 64x64, got ",
+                    gt_h, "x", gt_w);
+  TORCH_CHECK_VALUE(m >= 1 && k >= 1 && m <= INT32_MAX && k <= INT32_MAX, "bad weight shape ", m, "x", k);
+  TORCH_CHECK_TYPE(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16,
+                   "values must be torch.float16 or torch.bfloat16, got ", values.scalar_type());
+  TORCH_CHECK_TYPE(bitmap.scalar_type() == at::kLong, "bitmap must be torch.int64, got ", bitmap.scalar_type());
+  TORCH_CHECK_TYPE(gtile_offset.scalar_type() == at::kInt, "gtile_offset must be torch.int32, got ",
+                   gtile_offset.scalar_type());
+  for (const at::Tensor* t : {&bitmap, &values, &gtile_offset}) {
+    TORCH_CHECK_VALUE(t->is_cuda() && t->device() == bitmap.device(), "TCA-BME arrays must be on one CUDA device");
+    TORCH_CHECK_VALUE(t->dim() == 1, "TCA-BME arrays must be 1-D");
+  }
+  const int64_t grid_m = (m + kGt - 1) / kGt, grid_k = (k + kGt - 1) / kGt;
+  TORCH_CHECK_VALUE(bitmap.numel() == grid_m * grid_k * kGt, "bitmap has ", bitmap.numel(), " words, a ", m, "x", k,
+                    " weight needs ", grid_m * grid_k * kGt);
+  TORCH_CHECK_VALUE(gtile_offset.numel() == grid_m * grid_k + 1, "gtile_offset has ", gtile_offset.numel(),
+                    " entries, expected ", grid_m * grid_k + 1);
+  TORCH_CHECK_VALUE(grid_k <= INT32_MAX, "weight too wide");
+  const c10::cuda::CUDAGuard guard(bitmap.device());
+  const at::Tensor bm = bitmap.contiguous(), vals = values.contiguous(), off = gtile_offset.contiguous();
+  at::Tensor out = at::empty({m, k}, values.options());
+  TcaBmeToDenseArgs a{};
+  a.bitmap = reinterpret_cast<const uint64_t*>(bm.data_ptr<int64_t>());
+  a.values = reinterpret_cast<const uint16_t*>(vals.data_ptr());
+  a.gtile_offset = off.data_ptr<int32_t>();
+  a.nvalues = vals.numel();
+  a.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  a.m = static_cast<int>(m), a.k = static_cast<int>(k);
+  a.grid_m = static_cast<int>(grid_m), a.grid_k = static_cast<int>(grid_k);
+  C10_CUDA_CHECK(tca_bme_to_dense(a, at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor lowbit_to_dense_cuda(const at::Tensor& qweight, const at::Tensor& scale_zero, int64_t bits,
+                                int64_t group_size, int64_t m, int64_t k) {
+  const LowbitGeometry geo = check_lowbit_arrays(qweight, scale_zero, bits, group_size, m, k);
+  TORCH_CHECK_VALUE(m <= INT32_MAX && geo.kp <= INT32_MAX, "shape too large");
+  TORCH_CHECK_VALUE(qweight.is_cuda() && scale_zero.device() == qweight.device(),
+                    "qweight and scale_zero must be on one CUDA device");
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  const at::Tensor qw = aligned16(qweight), sz = aligned16(scale_zero);  // 4-byte (scale, zero) pairs
+  at::Tensor out = at::empty({m, k}, scale_zero.options());
+  LowbitToDenseArgs a{};
+  a.qweight = reinterpret_cast<const uint32_t*>(qw.data_ptr<int32_t>());
+  a.scale_zero = sz.data_ptr();
+  a.out = out.data_ptr();
+  a.m = static_cast<int>(m), a.k = static_cast<int>(k), a.kp = static_cast<int>(geo.kp);
+  a.bits = static_cast<int>(bits);
+  a.group_shift = geo.group_shift;
+  a.groups = static_cast<int>(geo.groups);
+  a.bf16 = scale_zero.scalar_type() == at::kBFloat16;
+  C10_CUDA_CHECK(lowbit_to_dense(a, at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace spinfer
 
 TORCH_LIBRARY_IMPL(spinfer, CUDA, m) {
+  m.impl("tca_bme_to_dense", &spinfer::tca_bme_to_dense_cuda);
+  m.impl("lowbit_to_dense", &spinfer::lowbit_to_dense_cuda);
   m.impl("spmm_plan", &spinfer::spmm_plan_cuda);
   m.impl("spmm", &spinfer::spmm_cuda);
   m.impl("spmm_out", &spinfer::spmm_out_cuda);

@@ -332,7 +332,10 @@ class TCABME:
         return out
 
     def to_dense(self) -> torch.Tensor:
-        return decode(self.bitmap, self.values, self.gtile_offset, self.shape, self.group_tile)
+        """The dense ``[M, K]`` weight, bit-exact (a CUDA kernel on a GPU: spinfer/ops/to_dense.py)."""
+        from ..ops.to_dense import tca_bme_to_dense  # the ops import this module
+
+        return tca_bme_to_dense(self)
 
     def validate(self) -> None:
         validate_arrays(self.bitmap, self.values, self.gtile_offset, self.geometry)

@@ -25,9 +25,10 @@ SPMM = "spmm"  # SMBD kernel on TCA-BME
 DECODE_DENSE = "decode+dense"  # TCA-BME decoded to dense per call, then F.linear (large N)
 LOWBIT = "lowbit"  # spinfer.lowbit_mm
 
-# Prefill sizes get buckets of their own: with the measured decode-to-dense rate (0.14 TB/s on
-# H100) SpMM stays ahead of decode+dense up to ~1500-2000 tokens on the large layers, so one
-# bucket for everything from 1024 up would run SpMM on long prompts, ~3x slower at 8192.
+# Prefill sizes get buckets of their own. With the CUDA decode kernel (spinfer/csrc/to_dense.cu,
+# 2.6-2.9 TB/s on H100) decode+dense overtakes SpMM from N = 128-160 on the large layers (with
+# the torch-op decoder it was ~1500-2000 tokens); the buckets above 256 cost nothing and keep the
+# choice per prompt size.
 N_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 1024, 2048, 4096, 8192)
 
 
@@ -43,25 +44,29 @@ def n_bucket(n: int) -> int:
 class DeviceProfile:
     """Device constants of the cost model (seconds, bytes/s, FLOP/s)."""
 
-    name: str = "NVIDIA H100 80GB HBM3 (defaults measured 2026-11-22)"
-    # The defaults are calibrate() on an H100 80GB HBM3 with the SMBD kernel v10, two runs
-    # agreeing within 2% (docs/policy.md, fifteenth session). Before, they were fitted to kernel
-    # v7, and kept 4096x4096 and 6144x4096 layers dense where SpMM is now 10% faster at N = 1.
-    dense_bandwidth: float = 2.8e12  # bytes/s cuBLAS streams a dense fp16 weight at
+    name: str = "NVIDIA H100 80GB HBM3 (defaults measured 2026-11-23)"
+    # The defaults are calibrate() on an H100 80GB HBM3 with the SMBD kernel v11 and the CUDA
+    # decode kernels (docs/policy.md, eighteenth session; the v10 constants of the fifteenth
+    # session differ by up to 7%: gt_cost[64] 3.65 -> 3.41 ns, which moved SpMM's predicted time
+    # at N = 128 enough to pick decode+dense where SpMM was 13-21% faster). Before v10, they were
+    # fitted to kernel v7, and kept 4096x4096 and 6144x4096 layers dense where SpMM is 10% faster.
+    dense_bandwidth: float = 2.77e12  # bytes/s cuBLAS streams a dense fp16 weight at
     # bytes/s the SMBD kernel reaches when bytes dominate (the large layer's bytes over its time
     # above the fixed cost, at 50%)
-    sparse_bandwidth: float = 2.57e12
-    tensor_flops: float = 7.7e14  # dense fp16 FLOP/s at large N
-    launch: float = 4.5e-6  # fixed cost per kernel call (a 64x64 F.linear)
+    sparse_bandwidth: float = 2.60e12
+    tensor_flops: float = 7.4e14  # dense fp16 FLOP/s at large N
+    launch: float = 4.8e-6  # fixed cost per kernel call (a 64x64 F.linear)
     # The SMBD kernel's fixed cost (launch, pipeline fill and the split-K reduction): the
     # intercept of its N = 1 time against bytes through 4096x4096 and 16384x8192 at 50%; and its
     # decode cost per GroupTile (64x64) on the whole GPU by token tile BN (N > 64 pays the BN=64
     # cost once per 64 tokens): the large layer's time above the fixed cost per GroupTile. The
     # fixed cost decides small layers for dense (1024x4096: 11 us as SpMM, 9.8 dense).
-    spmm_launch: float = 8.6e-6
-    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.80e-9, 16: 2.01e-9, 32: 2.64e-9, 64: 3.65e-9})
-    # bytes/s of TCA-BME -> dense (or low-bit -> dense) with torch ops, per call
-    decode_bandwidth: float = 1.4e11
+    spmm_launch: float = 8.7e-6
+    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.77e-9, 16: 1.88e-9, 32: 2.50e-9, 64: 3.41e-9})
+    # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call:
+    # the CUDA decode kernels on H100 (`spinfer bench to_dense`, 2026-11-23): 2.57-2.88 TB/s for
+    # TCA-BME at 30-70%, 2.7-2.96 for low-bit. (The torch-op decoders before: 0.14 TB/s.)
+    decode_bandwidth: float = 2.76e12
     # The fused low-bit kernel: bytes/s of its packed weight at N = 1, and the token count that
     # doubles its time (fitted to bench_lowbit on H100, 2026-11-22 after the warp-group change:
     # 28672x8192 4-bit 58 / 96 / 121 / 221 us at N = 1 / 16 / 32 / 64; the fit gives 57 / 91 /
@@ -78,7 +83,7 @@ class DeviceProfile:
 
 
 def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: DeviceProfile,
-            num_group_tiles: int = 0) -> float:
+            num_group_tiles: int = 0, bits: int = 4) -> float:
     """Predicted seconds of one call of ``kernel`` on an ``[m, k]`` layer with ``n`` tokens."""
     io = 2 * n * (m + k)  # fp16 activations in and out
     dense_compute = 2.0 * m * k * n / profile.tensor_flops
@@ -88,14 +93,16 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
     if kernel == SPMM:
         return (max((weight_bytes + io) / profile.sparse_bandwidth, num_group_tiles * profile.gt_time(n))
                 + profile.spmm_launch)
+    # Decode, then dense: two launches, the decode kernel's fixed cost on top of its stream.
+    decode_dense = (weight_bytes + 2 * m * k) / profile.decode_bandwidth + profile.launch + dense
     if kernel == DECODE_DENSE:
-        return (weight_bytes + 2 * m * k) / profile.decode_bandwidth + dense
+        return decode_dense
     if kernel == LOWBIT:
-        from ..ops.lowbit_mm import FUSED_MAX_N
+        from ..ops.lowbit_mm import fused_max_n
 
-        if n <= FUSED_MAX_N:  # the fused kernel re-reads the weight per 32-token tile
+        if n <= fused_max_n(bits):  # the fused kernel re-reads the weight per 32-token tile
             return (weight_bytes + io) / profile.lowbit_bandwidth * (1 + n / profile.lowbit_n_scale) + profile.launch
-        return (weight_bytes + 2 * m * k) / profile.decode_bandwidth + dense  # dequantize, then cuBLAS
+        return decode_dense  # dequantize, then cuBLAS
     raise ValueError(f"unknown kernel {kernel!r}")
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .. import tuning
 from ..format import TCABME
 from ..ops import lowbit_mm, spmm
-from ..ops.lowbit_mm import FUSED_MAX_N
+from ..ops.lowbit_mm import fused_max_n
 from ..quant import LowBitWeight
 from ..timing import median_time
 from . import policy as P
@@ -112,7 +112,7 @@ class SparseLinear(nn.Module):
         low = None
         if quant is not None:
             low = LowBitWeight.quantize(weight, _QUANT_BITS[quant], group_size)
-            options["lowbit"] = P.predict(P.LOWBIT, m, k, 1, low.storage_bytes().total, prof)
+            options["lowbit"] = P.predict(P.LOWBIT, m, k, 1, low.storage_bytes().total, prof, bits=low.bits)
         best = min(options, key=options.get)
         stored = {"dense": weight, "tca-bme": enc, "lowbit": low}[best]
         return cls(stored, bias, policy=policy)
@@ -168,8 +168,10 @@ class SparseLinear(nn.Module):
         """Predicted seconds of each candidate kernel for ``n`` tokens."""
         prof = P.profile_for(device if device is not None else self._device())
         m, k = self.out_features, self.in_features
-        ngt = self.weight_object().geometry.num_group_tiles if self.format == "tca-bme" else 0
-        return {kern: P.predict(kern, m, k, n, self.memory_bytes(), prof, ngt) for kern in self.candidates()}
+        w = self.weight_object()
+        ngt = w.geometry.num_group_tiles if self.format == "tca-bme" else 0
+        bits = w.bits if self.format == "lowbit" else 4
+        return {kern: P.predict(kern, m, k, n, self.memory_bytes(), prof, ngt, bits) for kern in self.candidates()}
 
     def _device(self) -> torch.device:
         return next(self.buffers()).device
@@ -216,7 +218,7 @@ class SparseLinear(nn.Module):
             w = self.weight_object()
             if P.SPMM in self.candidates():
                 tuning.tune_spmm(w, [n], reps=10)
-            if P.LOWBIT in self.candidates() and n <= FUSED_MAX_N:
+            if P.LOWBIT in self.candidates() and n <= fused_max_n(w.bits):
                 tuning.tune_lowbit(w, [n], reps=10)
         x = torch.randn(n, self.in_features, device=self._device(), dtype=self.weight_dtype)
         return {kern: median_time(lambda: self._run(kern, x), x.device, reps=10, max_seconds=2)

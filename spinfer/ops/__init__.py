@@ -2,5 +2,6 @@
 
 from .lowbit_mm import lowbit_mm
 from .spmm import spmm
+from .to_dense import lowbit_to_dense, tca_bme_to_dense
 
-__all__ = ["lowbit_mm", "spmm"]
+__all__ = ["lowbit_mm", "lowbit_to_dense", "spmm", "tca_bme_to_dense"]

@@ -36,3 +36,11 @@ _LOWBIT_ARGS = (
 LIB.define(f"lowbit_mm({_LOWBIT_ARGS}) -> Tensor")
 # Always the fused kernel on CUDA, into a caller-provided [N, M] buffer.
 LIB.define(f"lowbit_mm_out({_LOWBIT_ARGS}, *, Tensor(a!) out) -> ()")
+
+# A compressed weight as a dense [m, k] matrix in its dtype (spinfer/ops/to_dense.py): what the
+# layers multiply with one dense GEMM at large N. Bit-exact against the formats' reference
+# decoders (TCA-BME: every stored pattern; low-bit: (q - zero) * scale in fp32, rounded once,
+# without the act-order permutation, which callers apply to x).
+LIB.define("tca_bme_to_dense(Tensor bitmap, Tensor values, Tensor gtile_offset, int m, int k, int gt_h, int gt_w) "
+           "-> Tensor")
+LIB.define("lowbit_to_dense(Tensor qweight, Tensor scale_zero, int bits, int group_size, int m, int k) -> Tensor")

@@ -1,12 +1,11 @@
 """``spinfer::lowbit_mm``: ``y = x @ W.T + bias`` with ``W`` a weight-only low-bit
 :class:`~spinfer.quant.LowBitWeight`.
 
-CPU: the reference (dequantize, multiply in fp32). CUDA: for ``N <= FUSED_MAX_N`` the fused
+CPU: the reference (dequantize, multiply in fp32). CUDA: for ``N <= fused_max_n(bits)`` the fused
 kernel (``spinfer::lowbit_mm_out``, spinfer/csrc/lowbit_mm.cuh), which dequantizes in
-registers straight into tensor-core fragments; above it, dequantize on the GPU and call cuBLAS.
-The dequantization is torch ops today (4.7 ms for 28672x8192 on H100), so the fused kernel
-wins at every N measured (970 us at N = 256); the crossover waits for a CUDA dequantize
-kernel (docs/quant.md).
+registers straight into tensor-core fragments, once per token tile; above it, the weight is
+dequantized once (``spinfer::lowbit_to_dense``, one streaming kernel) and cuBLAS multiplies
+(docs/quant.md has the measured crossover).
 """
 
 from __future__ import annotations
@@ -17,30 +16,38 @@ import torch
 import torch.nn.functional as F
 
 from .. import build, tuning
-from ..quant.lowbit import LowBitWeight, dequantize
+from ..quant.lowbit import LowBitWeight, check_bits, dequantize
 from . import library  # noqa: F401  (defines the schemas)
 from .linear_input import check_op_inputs, check_out, check_splits, flatten_input
 
-# Largest N served by the fused kernel; dequantize + cuBLAS above. Never below 32 (issue 4);
-# 256 is the largest N measured (benchmarks/bench_lowbit.py), where fused still won 5x.
-FUSED_MAX_N = 256
+# Largest N served by the fused kernel, by bit width; above it the weight is decoded once
+# (lowbit_to_dense) and cuBLAS multiplies. The fused kernel decodes the weight again for every
+# 32-token tile, so its time grows with N, while decode + cuBLAS costs one pass over the weight
+# (0.40-0.47x cuBLAS at N = 64-256). Measured crossover on H100, four issue shapes (`spinfer bench
+# to_dense`, docs/quant.md): decode + cuBLAS stays ahead from N = 128-160 at 1/2/4 bits (4-bit at
+# N = 128: fused 0.42-0.49x cuBLAS, decoded 0.44-0.47x) and from N = 96-128 at 8 bits (N = 128:
+# fused 0.34-0.37x, decoded 0.40-0.43x). Never below 32 (issue 4).
+FUSED_MAX_N = {1: 128, 2: 128, 4: 128, 8: 96}
 
 
-def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accumulate=torch.float32):
+def fused_max_n(bits: int) -> int:
+    """The largest N at which ``lowbit_mm`` runs the fused kernel for a ``bits``-wide weight."""
+    return FUSED_MAX_N[check_bits(bits)]
+
+
+def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias):
     check_op_inputs(x, scale_zero, m, k, bias)
     w = dequantize(qweight, scale_zero, bits, group_size, (m, k), perm)
-    if accumulate == torch.float32:
-        y = x.float() @ w.float().t()
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype)
-    return F.linear(x, w, bias)  # cuBLAS: fp16/bf16 inputs, fp32 accumulation
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
 
 
 @torch.library.register_fake("spinfer::lowbit_mm")
 def _lowbit_mm_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0):
     check_op_inputs(x, scale_zero, m, k, bias)
-    if x.device.type == "cuda" and x.shape[0] <= FUSED_MAX_N:
+    if x.device.type == "cuda" and x.shape[0] <= fused_max_n(bits):
         build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
@@ -54,8 +61,12 @@ def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, b
     # O(1) checks only: the permutation check would sync the device on every call. A perm that
     # is not a permutation gathers wrong columns but never reads out of bounds (index_select).
     LowBitWeight(qweight, None, None, bits, group_size, (m, k), perm, validate=False, scale_zero=scale_zero)
-    if x.shape[0] > FUSED_MAX_N:
-        return _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, accumulate=None)
+    if x.shape[0] > fused_max_n(bits):
+        # One dense GEMM on the weight decoded once (to_dense.cu); act-order gathers x instead of
+        # scattering the weight's columns.
+        check_op_inputs(x, scale_zero, m, k, bias)
+        w = torch.ops.spinfer.lowbit_to_dense(qweight, scale_zero, bits, group_size, m, k)
+        return F.linear(x if perm is None else x.index_select(1, perm), w, bias)
     check_op_inputs(x, scale_zero, m, k, bias)
     out = x.new_empty((x.shape[0], m))
     torch.ops.spinfer.lowbit_mm_out(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, splits, out=out)
@@ -107,7 +118,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
         return out.view(*lead, m)
     if x2.shape[0] == 0:
         return x.new_empty((*lead, m))
-    if x2.is_cuda and x2.shape[0] <= FUSED_MAX_N and not torch.compiler.is_compiling():
+    if x2.is_cuda and x2.shape[0] <= fused_max_n(weight.bits) and not torch.compiler.is_compiling():
         # Eager fast path: the weight was checked when it was built and flatten_input checked
         # x and bias, so go straight to the kernel (one dispatch instead of two, ~40 us less
         # host time per call). Compiled graphs keep the lowbit_mm op.
@@ -115,3 +126,4 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
         torch.ops.spinfer.lowbit_mm_out(*args, out=out)
         return out.view(*lead, m)
     return torch.ops.spinfer.lowbit_mm(*args).reshape(*lead, m)
+

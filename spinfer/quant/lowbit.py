@@ -316,8 +316,11 @@ class LowBitWeight:
 
     # reference ----------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
-        """Dense ``[M, K]`` in the weight dtype, in the original K order (perm undone)."""
-        return dequantize(self.qweight, self.scale_zero, self.bits, self.group_size, self.shape, self.perm)
+        """Dense ``[M, K]`` in the weight dtype, in the original K order (perm undone); exactly
+        :func:`dequantize` (a CUDA kernel on a GPU: spinfer/ops/to_dense.py)."""
+        from ..ops.to_dense import lowbit_to_dense  # the ops import this module
+
+        return lowbit_to_dense(self)
 
     def validate(self) -> None:
         """Full check: :meth:`check_structure` plus that ``perm`` is a permutation (O(K), and a

@@ -1,0 +1,74 @@
+"""``spinfer::tca_bme_to_dense`` and ``spinfer::lowbit_to_dense``: a compressed weight as a dense
+``[M, K]`` matrix in its dtype.
+
+CPU: the formats' reference decoders. CUDA: one streaming kernel each
+(spinfer/csrc/to_dense.cu), bit-exact against the references. :meth:`TCABME.to_dense
+<spinfer.format.TCABME.to_dense>` and :meth:`LowBitWeight.dequantize
+<spinfer.quant.LowBitWeight.dequantize>` call them; at large N the layers decode once and run
+one dense GEMM (the ``decode+dense`` kernel of a TCA-BME layer, and ``lowbit_mm`` above
+``fused_max_n(bits)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import build
+from ..format.tca_bme import Geometry, decode, validate_arrays
+from ..quant.lowbit import LowBitWeight, dequantize
+from . import library  # noqa: F401  (defines the schemas)
+
+
+@torch.library.register_fake("spinfer::tca_bme_to_dense")
+def _tca_bme_to_dense_fake(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
+    return values.new_empty((m, k))
+
+
+def _tca_bme_to_dense_cpu(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
+    # The arrays may come from anywhere when the op is called directly: check them fully.
+    validate_arrays(bitmap, values, gtile_offset, Geometry(m, k, gt_h, gt_w))
+    return decode(bitmap, values, gtile_offset, (m, k), (gt_h, gt_w))
+
+
+@torch.library.register_fake("spinfer::lowbit_to_dense")
+def _lowbit_to_dense_fake(qweight, scale_zero, bits, group_size, m, k):
+    return scale_zero.new_empty((m, k))
+
+
+def _lowbit_to_dense_cpu(qweight, scale_zero, bits, group_size, m, k):
+    LowBitWeight(qweight, None, None, bits, group_size, (m, k), scale_zero=scale_zero)  # validates
+    return dequantize(qweight, scale_zero, bits, group_size, (m, k))
+
+
+torch.library.impl("spinfer::tca_bme_to_dense", "CPU")(_tca_bme_to_dense_cpu)
+torch.library.impl("spinfer::lowbit_to_dense", "CPU")(_lowbit_to_dense_cpu)
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    if t.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
+        build.load_extension()  # JIT-compiles the kernels on first use, then cached
+    return t.is_cuda
+
+
+def tca_bme_to_dense(weight) -> torch.Tensor:
+    """Dense ``[M, K]`` of a :class:`~spinfer.format.TCABME` (CUDA kernel for GroupTile 64x64 on a
+    GPU, the reference decoder otherwise)."""
+    m, k = weight.shape
+    if _on_cuda(weight.bitmap) and tuple(weight.group_tile) == (64, 64):
+        return torch.ops.spinfer.tca_bme_to_dense(weight.bitmap, weight.values, weight.gtile_offset, m, k, 64, 64)
+    return decode(weight.bitmap, weight.values, weight.gtile_offset, (m, k), weight.group_tile)
+
+
+def lowbit_to_dense(weight: LowBitWeight, *, permuted: bool = False) -> torch.Tensor:
+    """Dense ``[M, K]`` of a :class:`~spinfer.quant.LowBitWeight`. ``permuted=True`` leaves the
+    columns in the stored (act-order) order, for ``x[..., perm] @ W.T``."""
+    m, k = weight.shape
+    if _on_cuda(weight.qweight):
+        w = torch.ops.spinfer.lowbit_to_dense(weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k)
+    else:
+        w = dequantize(weight.qweight, weight.scale_zero, weight.bits, weight.group_size, (m, k))
+    if weight.perm is None or permuted:
+        return w
+    out = torch.empty_like(w)
+    out[:, weight.perm] = w
+    return out

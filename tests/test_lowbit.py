@@ -254,3 +254,18 @@ def test_balanced_schedule_partition_bounds():
                 if g % rows == 0:
                     assert shares == bound
 
+
+def test_lowbit_plan_refuses_bad_arguments():
+    from spinfer.ops.lowbit_mm import lowbit_plan
+
+    q = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 128)
+    with pytest.raises(ValueError, match="CUDA kernel"):
+        lowbit_plan(q, 1, device="cpu")
+    with pytest.raises(TypeError, match="LowBitWeight"):
+        lowbit_plan(torch.randn(64, 256), 1)
+    with pytest.raises(ValueError, match="n must be"):
+        lowbit_plan(q, 0)
+    with pytest.raises(TypeError, match="dtype"):
+        lowbit_plan(q, 1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="splits"):
+        lowbit_plan(q, 1, splits=-2)

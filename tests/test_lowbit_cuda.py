@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import spinfer
-from spinfer.ops.lowbit_mm import fused_max_n
+from spinfer.ops.lowbit_mm import fused_max_n, lowbit_plan
 from spinfer.quant import LowBitWeight
 from tests.conftest import rel_err
 from tests.test_lowbit import random_gptq
@@ -137,17 +137,29 @@ def test_split_tail_rows(bits, monkeypatch):
     (M odd), whose tail the rule splits 3 ways on an H100 (9 stages of 256 columns at K = 2304,
     18 at 8 bits); forced (SPINFER_LOWBIT_TAIL) 2 ways, leaving a short last split, and 4 ways,
     more tail blocks than SMs; 0 turns it off. N = 1, 7 and 16 (token tiles of 8 and 16), bias,
-    every element written, deterministic."""
+    every element written, deterministic. The planner's query (lowbit_plan) shows the grid that
+    ran: the rule's split count, no more than half the stages a split, and no empty split."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m, k = 64 * (sms + sms // 4) + 13, 2304
     q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 64)
     b = torch.randn(m, device="cuda").half()
+    stages = k // (128 if bits == 8 else 256)
     for tail in (None, "0", "2", "4"):
         if tail is None:
             monkeypatch.delenv("SPINFER_LOWBIT_TAIL", raising=False)
         else:
             monkeypatch.setenv("SPINFER_LOWBIT_TAIL", tail)
         for n in (1, 7, 16):
+            plan = lowbit_plan(q, n)
+            waves, tail_rows = divmod(plan["row_blocks"], sms)
+            assert waves == 1 and tail_rows == sms // 4 + 1 and plan["n_tiles"] == 1
+            asked = min(sms // tail_rows if tail is None else int(tail), stages // 2)
+            if asked >= 2 and waves + 1 <= plan["resident_blocks"]:
+                per = -(-stages // asked)
+                assert (plan["tail_first"], plan["tail_splits"], plan["tail_iters"]) == (sms, -(-stages // per), per)
+                assert plan["grid_blocks"] == sms + tail_rows * plan["tail_splits"]
+            else:
+                assert plan["tail_splits"] == 0 and plan["grid_blocks"] == plan["row_blocks"], f"tail={tail}"
             x = torch.randn(n, k, device="cuda").half()
             y = fused(x, q, b)
             assert rel_err(y, reference(x, q, b)) <= 2e-3, f"tail={tail} N={n}"

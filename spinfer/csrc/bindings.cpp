@@ -324,6 +324,24 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
           spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk};
 }
 
+// The fused low-bit kernel's launch for x's N, dtype and device and an [m, k] weight of `bits` and
+// `group_size` (spinfer.ops.lowbit_mm.lowbit_plan names the fields): a host query for tests and
+// tuning, reading the same environment overrides as a launch.
+std::vector<int64_t> lowbit_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, int64_t bits, int64_t group_size,
+                                      int64_t splits) {
+  TORCH_CHECK_VALUE(x.is_cuda() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= INT32_MAX && m >= 1 &&
+                        m <= int64_t(65535) * 64 && k >= 1 && k <= INT32_MAX - 255 && splits >= -1 &&
+                        (bits == 1 || bits == 2 || bits == 4 || bits == 8) && group_size >= 1,
+                    "lowbit_plan: bad arguments");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t kp = (k + 255) / 256 * 256;
+  const LowbitPlan p = lowbit_mm_plan(static_cast<int>(m), static_cast<int>(x.size(0)), static_cast<int>(kp),
+                                      static_cast<int>(bits), static_cast<int>(group_size), x.get_device(),
+                                      x.scalar_type() == at::kBFloat16, static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
+  return {p.bn, p.n_tiles, p.row_blocks, p.grid_blocks, p.splits, p.iters_per_split, p.blocks_per_sm, p.balanced,
+          p.tail_first, p.tail_splits, p.tail_iters};
+}
+
 // ---- tca_bme_to_dense / lowbit_to_dense: the weight as a dense [m, k] matrix (to_dense.cu). The
 // Python callers (TCABME.to_dense, LowBitWeight.dequantize, lowbit_mm) hold validated weights;
 // these checks guard direct calls, so the kernels never index past the arrays.
@@ -391,6 +409,7 @@ TORCH_LIBRARY_IMPL(spinfer, CUDA, m) {
   m.impl("tca_bme_to_dense", &spinfer::tca_bme_to_dense_cuda);
   m.impl("lowbit_to_dense", &spinfer::lowbit_to_dense_cuda);
   m.impl("spmm_plan", &spinfer::spmm_plan_cuda);
+  m.impl("lowbit_plan", &spinfer::lowbit_plan_cuda);
   m.impl("spmm", &spinfer::spmm_cuda);
   m.impl("spmm_out", &spinfer::spmm_out_cuda);
   m.impl("lowbit_mm_out", &spinfer::lowbit_mm_out_cuda);

@@ -36,6 +36,9 @@ _LOWBIT_ARGS = (
 LIB.define(f"lowbit_mm({_LOWBIT_ARGS}) -> Tensor")
 # Always the fused kernel on CUDA, into a caller-provided [N, M] buffer.
 LIB.define(f"lowbit_mm_out({_LOWBIT_ARGS}, *, Tensor(a!) out) -> ()")
+# The fused kernel's launch configuration for x's N, dtype and device (spinfer.ops.lowbit_mm.lowbit_plan):
+# a host-side query with no fake implementation, like spmm_plan.
+LIB.define("lowbit_plan(Tensor x, int m, int k, int bits, int group_size, int splits=0) -> int[]")
 
 # A compressed weight as a dense [m, k] matrix in its dtype (spinfer/ops/to_dense.py): what the
 # layers multiply with one dense GEMM at large N. Bit-exact against the formats' reference

@@ -127,3 +127,35 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
         return out.view(*lead, m)
     return torch.ops.spinfer.lowbit_mm(*args).reshape(*lead, m)
 
+
+# Field names of spinfer::lowbit_plan's result, in order (spinfer/csrc/lowbit_mm.h, LowbitPlan).
+PLAN_FIELDS = ("bn", "n_tiles", "row_blocks", "grid_blocks", "splits", "iters_per_split", "resident_blocks",
+               "balanced", "tail_first", "tail_splits", "tail_iters")
+
+
+def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
+                splits: int = 0) -> dict:
+    """The launch the fused kernel's planner picks for ``weight`` at ``n`` tokens of ``dtype`` on
+    ``device``: token tile ``bn`` and ``n_tiles``, ``row_blocks`` (64 output rows each),
+    ``grid_blocks`` per token tile, ``splits`` (the most blocks that share a row block's tile) and
+    ``iters_per_split`` (stages per split-K block), ``resident_blocks`` per SM (CUDA's occupancy
+    calculator), whether it is the ``balanced`` schedule, and the split tail rows (``tail_first``:
+    the first split row block, ``tail_splits`` ways of ``tail_iters`` stages; 0 when none).
+    ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
+    (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"lowbit_plan describes the CUDA kernel; got device {device}")
+    if not isinstance(weight, LowBitWeight):
+        raise TypeError(f"weight must be a LowBitWeight, got {type(weight).__name__}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    splits = check_splits(splits, balanced=True) or 0
+    build.load_extension()
+    m, k = weight.shape
+    x = torch.empty((n, 1), dtype=dtype, device=device).expand(n, k)  # only N, dtype and device are read
+    plan = dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x, m, k, weight.bits, weight.group_size, splits)))
+    plan["balanced"] = bool(plan["balanced"])
+    return plan

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
-#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit] [ncu-spmm]
-#                           [ncu-lowbit]
-#   (default: tests tests-cp-async sanitize bench bench-lowbit; the build always runs)
+#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
+#                           [bench-to-dense] [ncu-spmm] [ncu-lowbit]
+#   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/spinfer-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export SPINFER_CACHE="${SPINFER_CACHE:-/tmp/spinfer-cache}"
-steps="${*:-tests tests-cp-async sanitize bench bench-lowbit}"
+steps="${*:-tests tests-cp-async sanitize bench bench-lowbit bench-to-dense}"
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
@@ -47,6 +47,11 @@ fi
 if [[ " $steps " == *" bench-lowbit "* ]]; then
     python3 benchmarks/bench_lowbit.py --quick --csv "$OUT/lowbit.csv" >"$OUT/bench-lowbit.log" 2>&1 || status=1
     sed -n '/^summary/,$p' "$OUT/bench-lowbit.log"
+fi
+if [[ " $steps " == *" bench-to-dense "* ]]; then
+    # the decode-to-dense kernels' bandwidth and the N where decode + cuBLAS overtakes the fused kernels
+    python3 benchmarks/bench_to_dense.py --quick --csv "$OUT/to_dense.csv" >"$OUT/bench-to-dense.log" 2>&1 || status=1
+    sed -n '/^crossover/,$p' "$OUT/bench-to-dense.log"
 fi
 # One launch under Nsight Compute: the details page and the per-SASS-instruction source page
 # (executed instructions, stall samples) as CSV, and the headline metrics.

@@ -197,3 +197,33 @@ def test_e2e_fused_layer_equals_the_unfused_one():
             torch.testing.assert_close(fused(x, pos, mask), plain(x, pos, mask))
     linears = [sum(isinstance(m, torch.nn.Linear) for m in layer.modules()) for layer in (plain, fused)]
     assert linears == [7, 4]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_e2e_prefill_equals_token_by_token_decode(fused):
+    """A prompt through DecoderLayer.prefill (causal attention over it) gives each position the
+    output the one-token decode steps give, and leaves the same keys and values in the cache."""
+    from spinfer.bench.e2e import DecoderLayer
+
+    torch.manual_seed(1)
+    hidden, inter, heads, kv, t = 64, 96, 8, 2, 5
+    layer = DecoderLayer(hidden, inter, heads, kv, t, 2, fused=fused).double()
+    x = torch.randn(2, t, hidden, dtype=torch.float64)
+    with torch.no_grad():
+        out = layer.prefill(x)
+        k_cache, v_cache = layer.k_cache.clone(), layer.v_cache.clone()
+        layer.k_cache.zero_(), layer.v_cache.zero_()
+        for step in range(t):
+            mask = (torch.arange(t) <= step).view(1, 1, 1, -1)
+            torch.testing.assert_close(layer(x[:, step:step + 1], torch.tensor([step]), mask), out[:, step:step + 1])
+    torch.testing.assert_close(layer.k_cache, k_cache)
+    torch.testing.assert_close(layer.v_cache, v_cache)
+
+
+def test_e2e_prefill_cli(capsys):
+    from spinfer.bench.__main__ import main as bench_main
+
+    assert bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "", "--prefill", "16,24",
+                       "--variants", "dense,sparse50,w4"]) == 0
+    out = capsys.readouterr().out
+    assert "p16" in out and "p24" in out and "lowbit->lowbit" in out

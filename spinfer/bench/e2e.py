@@ -6,10 +6,12 @@ layer forced to TCA-BME) and quantized to 4-bit g128. A "+tuned" variant ("spars
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
 and SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
 download. One decode step for a batch (1, 8, 16 sequences) is captured in a CUDA graph and
-replayed; tokens per second = batch * steps / time. Attention, norms and everything else are
+replayed; tokens per second = batch * steps / time. With --prefill, one prompt of each length
+(batch 1, causal attention over it, eager) goes through the same stacks: prompt tokens per
+second, where the linear layers see N = the prompt length. Attention, norms and everything else are
 the same module instances in every variant; only the nn.Linear layers are replaced.
 
-    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused]
+    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048]
     python benchmarks/bench_e2e.py ...      (same)
     spinfer bench e2e --tiny --device cpu   (a small smoke run of the same code, no graphs)
 """
@@ -64,30 +66,45 @@ class DecoderLayer(nn.Module):
         self.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, self.hd))
         self.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, self.hd))
 
-    def forward(self, x, pos, mask):  # x [B, 1, H]; pos: 1-element long tensor; mask [1, 1, 1, L]
-        b = x.shape[0]
-        h = self.norm1(x)
+    def _qkv(self, h):  # h [B, T, H] -> q [B, heads, T, hd], k and v [B, kv_heads, T, hd]
+        b, t = h.shape[:2]
         if self.fused:
             kvd = self.kv_heads * self.hd
             q, k, v = self.qkv_proj(h).split([self.heads * self.hd, kvd, kvd], dim=-1)
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        q = q.reshape(b, 1, self.heads, self.hd).transpose(1, 2)
-        k = k.reshape(b, 1, self.kv_heads, self.hd).transpose(1, 2)
-        v = v.reshape(b, 1, self.kv_heads, self.hd).transpose(1, 2)
-        self.k_cache.index_copy_(2, pos, k)
-        self.v_cache.index_copy_(2, pos, v)
-        rep = self.heads // self.kv_heads
-        kk = self.k_cache.repeat_interleave(rep, dim=1)
-        vv = self.v_cache.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, 1, -1))
+        return (q.reshape(b, t, self.heads, self.hd).transpose(1, 2),
+                k.reshape(b, t, self.kv_heads, self.hd).transpose(1, 2),
+                v.reshape(b, t, self.kv_heads, self.hd).transpose(1, 2))
+
+    def _rest(self, x, a):  # the attention output a [B, heads, T, hd] -> o_proj, residual, MLP
+        b, t = x.shape[:2]
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         h = self.norm2(x)
         if self.fused:
             gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(h), self.up_proj(h)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def forward(self, x, pos, mask):  # x [B, 1, H]; pos: 1-element long tensor; mask [1, 1, 1, L]
+        q, k, v = self._qkv(self.norm1(x))
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        rep = self.heads // self.kv_heads
+        kk = self.k_cache.repeat_interleave(rep, dim=1)
+        vv = self.v_cache.repeat_interleave(rep, dim=1)
+        return self._rest(x, F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask))
+
+    def prefill(self, x):  # x [B, T, H]: a prompt; causal attention over it, its keys and values cached
+        q, k, v = self._qkv(self.norm1(x))
+        t = x.shape[1]
+        self.k_cache[:, :, :t].copy_(k)
+        self.v_cache[:, :, :t].copy_(v)
+        rep = self.heads // self.kv_heads
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                           is_causal=True)
+        return self._rest(x, a)
 
 
 class Stack(nn.Module):
@@ -102,6 +119,11 @@ class Stack(nn.Module):
         mask = (torch.arange(self.max_len, device=x.device) <= pos).view(1, 1, 1, -1)
         for layer in self.layers:
             x = layer(x, pos, mask)
+        return self.norm(x)
+
+    def prefill(self, x):
+        for layer in self.layers:
+            x = layer.prefill(x)
         return self.norm(x)
 
 
@@ -174,11 +196,54 @@ def decode_rate(model, batch, hidden, steps, device, graphs: bool) -> float:
     return batch * steps / seconds
 
 
+def prefill_rate(model, tokens, hidden, device, reps: int = 5) -> float:
+    """Prompt tokens per second of one prefill of `tokens` tokens (batch 1; median of `reps`)."""
+    x = torch.randn(1, tokens, hidden, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        for _ in range(2):  # warm up: kernels built, policy choices made and cached
+            model.prefill(x)
+        times = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model.prefill(x)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                model.prefill(x)
+                times.append(time.perf_counter() - t0)
+    return tokens / sorted(times)[len(times) // 2]
+
+
+def build_variant(base, name, batch):
+    """A copy of `base` with its nn.Linear layers replaced as the variant says (dense: base)."""
+    if name == "dense":
+        return base
+    model = copy.deepcopy(base)
+    kind, tuned = (name[: -len("+tuned")], True) if name.endswith("+tuned") else (name, False)
+    if kind.startswith("sparse"):  # policy "auto": the cost model stores each layer
+        spinfer.sparsify(model, int(kind[6:]) / 100, method="magnitude", progress=False)
+    elif kind.startswith("spmm"):  # every layer TCA-BME and SpMM at every N, whatever the cost model says
+        spinfer.sparsify(model, int(kind[4:]) / 100, method="magnitude", policy="sparse", progress=False)
+    elif kind == "w4":
+        spinfer.sparsify(model, 0.0, method="magnitude", quant="w4", policy="lowbit", progress=False)
+    else:
+        raise ValueError(f"unknown variant {name!r}")
+    if tuned:
+        tune_splits(model, batch)
+    return model
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="spinfer bench e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batches", default="1,8,16")
+    p.add_argument("--batches", default="1,8,16", help="decode batches ('' for none)")
+    p.add_argument("--prefill", default="", help="prompt lengths, e.g. 512,2048: prompt tokens/s (batch 1)")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--variants", default="dense,sparse50,sparse70,spmm50,spmm70,w4")
     p.add_argument("--device", default="cuda")
@@ -192,7 +257,8 @@ def main(argv=None) -> int:
         print("bench_e2e: needs a CUDA GPU (or --device cpu --tiny)", file=sys.stderr)
         return 2
     hidden, inter, heads, kv = (256, 512, 8, 2) if a.tiny else (4096, 14336, 32, 8)
-    batches = [int(v) for v in a.batches.split(",")]
+    batches = [int(v) for v in a.batches.split(",")] if a.batches else []
+    prompts = [int(v) for v in a.prefill.split(",")] if a.prefill else []
     variants = a.variants.split(",")
     dtype = torch.float16
     if device.type == "cuda":
@@ -207,23 +273,28 @@ def main(argv=None) -> int:
     for batch in batches:
         base = Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, batch, a.fused).to(device, dtype)
         for name in variants:
-            model = copy.deepcopy(base) if name != "dense" else base
-            kind, tuned = (name[: -len("+tuned")], True) if name.endswith("+tuned") else (name, False)
-            if kind.startswith("sparse"):  # policy "auto": the cost model stores each layer
-                spinfer.sparsify(model, int(kind[6:]) / 100, method="magnitude", progress=False)
-            elif kind.startswith("spmm"):  # every layer TCA-BME, whatever the cost model says
-                spinfer.sparsify(model, int(kind[4:]) / 100, method="magnitude", policy="sparse", progress=False)
-            elif kind == "w4":
-                spinfer.sparsify(model, 0.0, method="magnitude", quant="w4", policy="lowbit", progress=False)
-            elif kind != "dense":
-                raise ValueError(f"unknown variant {name!r}")
-            if tuned:
-                tune_splits(model, batch)
+            model = build_variant(base, name, batch)
             rate = decode_rate(model, batch, hidden, a.steps, device, graphs=not a.no_graphs)
             results[(name, batch)] = rate
             ratio = rate / results[("dense", batch)] if ("dense", batch) in results else float("nan")
             print(f"{name:<15} {batch:>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
                   f"{formats(model, batch)}", flush=True)
+            if model is not base:
+                del model
+        del base
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for tokens in prompts:
+        # A prompt through the same stack, batch 1: the linear layers see N = tokens, where the
+        # layers run decode + cuBLAS (or the fused kernels, for "spmmNN" and below fused_max_n).
+        base = Stack(a.layers, hidden, inter, heads, kv, tokens, 1, a.fused).to(device, dtype)
+        for name in variants:
+            model = build_variant(base, name, tokens)
+            rate = prefill_rate(model, tokens, hidden, device)
+            results[(name, -tokens)] = rate
+            ratio = rate / results[("dense", -tokens)] if ("dense", -tokens) in results else float("nan")
+            print(f"{name:<15} {f'p{tokens}':>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
+                  f"{formats(model, tokens)}", flush=True)
             if model is not base:
                 del model
         del base

@@ -269,37 +269,29 @@ def main(argv=None) -> int:
           f"{', fused qkv and gate_up projections' if a.fused else ''}")
     print(f"{'variant':<15} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
     torch.manual_seed(0)
-    results = {}
-    for batch in batches:
-        base = Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, batch, a.fused).to(device, dtype)
+
+    def run(base, label, n, rate_of):
+        """Every variant of `base` (n tokens per linear call), one table row each, ratio to dense."""
+        dense_rate = None
         for name in variants:
-            model = build_variant(base, name, batch)
-            rate = decode_rate(model, batch, hidden, a.steps, device, graphs=not a.no_graphs)
-            results[(name, batch)] = rate
-            ratio = rate / results[("dense", batch)] if ("dense", batch) in results else float("nan")
-            print(f"{name:<15} {batch:>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
-                  f"{formats(model, batch)}", flush=True)
-            if model is not base:
-                del model
-        del base
+            model = build_variant(base, name, n)
+            rate = rate_of(model)
+            dense_rate = rate if name == "dense" else dense_rate
+            ratio = rate / dense_rate if dense_rate else float("nan")
+            print(f"{name:<15} {label:>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
+                  f"{formats(model, n)}", flush=True)
+            del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    for batch in batches:
+        run(Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, batch, a.fused).to(device, dtype), str(batch), batch,
+            lambda m: decode_rate(m, batch, hidden, a.steps, device, graphs=not a.no_graphs))
     for tokens in prompts:
         # A prompt through the same stack, batch 1: the linear layers see N = tokens, where the
         # layers run decode + cuBLAS (or the fused kernels, for "spmmNN" and below fused_max_n).
-        base = Stack(a.layers, hidden, inter, heads, kv, tokens, 1, a.fused).to(device, dtype)
-        for name in variants:
-            model = build_variant(base, name, tokens)
-            rate = prefill_rate(model, tokens, hidden, device)
-            results[(name, -tokens)] = rate
-            ratio = rate / results[("dense", -tokens)] if ("dense", -tokens) in results else float("nan")
-            print(f"{name:<15} {f'p{tokens}':>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
-                  f"{formats(model, tokens)}", flush=True)
-            if model is not base:
-                del model
-        del base
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        run(Stack(a.layers, hidden, inter, heads, kv, tokens, 1, a.fused).to(device, dtype), f"p{tokens}", tokens,
+            lambda m: prefill_rate(m, tokens, hidden, device))
     return 0
 
 

@@ -52,6 +52,15 @@ def is_loaded() -> bool:
     return _loaded
 
 
+def load_for(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a CUDA device, compiling (once) and loading the kernels first if so: the
+    public wrappers call it on their first GPU call. Not while torch.compile traces (a compiled
+    graph's ops load the kernels from their fake implementations)."""
+    if t.is_cuda and not _loaded and not torch.compiler.is_compiling():
+        load_extension()
+    return t.is_cuda
+
+
 def load_extension(verbose: bool = False) -> None:
     """Compile (once) and load the CUDA kernels, registering the ops' CUDA implementations."""
     global _loaded

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -102,32 +103,42 @@ at::Tensor aligned16(const at::Tensor& t) {
   return c;
 }
 
-Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
-                           const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h,
-                           int64_t gt_w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(gt_h == kGt && gt_w == kGt, "spinfer::spmm on CUDA supports GroupTile 64x64, got ",
-                    gt_h, "x", gt_w, "; re-encode with group_tile=(64, 64)");
-  TORCH_CHECK_VALUE(m >= 1 && k >= 1, "spinfer::spmm: weight shape must be at least 1x1, got ", m, "x", k);
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "spinfer::spmm expects x of shape [N, ", k, "], got ",
-                    x.sizes());
+// The TCA-BME arrays of an [m, k] weight, checked for a CUDA kernel that reads them (SMBD, the
+// decode to dense): GroupTile 64x64, dtypes, 1-D arrays on `device`, and sizes that match the
+// shape, so no kernel indexes past them. Returns the GroupTile grid {rows, columns}.
+std::array<int64_t, 2> check_tca_bme_arrays(const char* op, const at::Tensor& bitmap, const at::Tensor& values,
+                                            const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h,
+                                            int64_t gt_w, const at::Device& device) {
+  TORCH_CHECK_VALUE(gt_h == kGt && gt_w == kGt, op, " on CUDA supports GroupTile 64x64, got ", gt_h, "x", gt_w,
+                    "; re-encode with group_tile=(64, 64)");
+  TORCH_CHECK_VALUE(m >= 1 && k >= 1, op, ": weight shape must be at least 1x1, got ", m, "x", k);
   TORCH_CHECK_TYPE(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16,
                    "values must be torch.float16 or torch.bfloat16, got ", values.scalar_type());
-  TORCH_CHECK_TYPE(x.scalar_type() == values.scalar_type(), "x is ", x.scalar_type(),
-                   " but the weight is ", values.scalar_type());
-  TORCH_CHECK_TYPE(bitmap.scalar_type() == at::kLong, "bitmap must be torch.int64, got ",
-                   bitmap.scalar_type());
+  TORCH_CHECK_TYPE(bitmap.scalar_type() == at::kLong, "bitmap must be torch.int64, got ", bitmap.scalar_type());
   TORCH_CHECK_TYPE(gtile_offset.scalar_type() == at::kInt, "gtile_offset must be torch.int32, got ",
                    gtile_offset.scalar_type());
   for (const at::Tensor* t : {&bitmap, &values, &gtile_offset}) {
-    TORCH_CHECK_VALUE(t->is_cuda() && t->device() == x.device(), "x is on ", x.device(),
-                      " but a weight array is on ", t->device());
+    TORCH_CHECK_VALUE(t->is_cuda() && t->device() == device, "expected TCA-BME arrays on ", device,
+                      ", but one is on ", t->device());
     TORCH_CHECK_VALUE(t->dim() == 1, "TCA-BME arrays must be 1-D");
   }
   const int64_t grid_m = (m + kGt - 1) / kGt, grid_k = (k + kGt - 1) / kGt;
-  TORCH_CHECK_VALUE(bitmap.numel() == grid_m * grid_k * kGt, "bitmap has ", bitmap.numel(),
-                    " words, a ", m, "x", k, " weight needs ", grid_m * grid_k * kGt);
+  TORCH_CHECK_VALUE(bitmap.numel() == grid_m * grid_k * kGt, "bitmap has ", bitmap.numel(), " words, a ", m, "x", k,
+                    " weight needs ", grid_m * grid_k * kGt);
   TORCH_CHECK_VALUE(gtile_offset.numel() == grid_m * grid_k + 1, "gtile_offset has ", gtile_offset.numel(),
                     " entries, expected ", grid_m * grid_k + 1);
+  return {grid_m, grid_k};
+}
+
+Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
+                           const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h,
+                           int64_t gt_w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "spinfer::spmm expects x of shape [N, ", k, "], got ",
+                    x.sizes());
+  const int64_t grid_k = check_tca_bme_arrays("spinfer::spmm", bitmap, values, gtile_offset, m, k, gt_h, gt_w,
+                                              x.device())[1];
+  TORCH_CHECK_TYPE(x.scalar_type() == values.scalar_type(), "x is ", x.scalar_type(),
+                   " but the weight is ", values.scalar_type());
   TORCH_CHECK_VALUE(values.numel() < (int64_t(1) << 31), "too many values for int32 offsets");
   if (bias) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == m, "bias must have shape (", m, ",), got ",
@@ -347,24 +358,10 @@ std::vector<int64_t> lowbit_plan_cuda(const at::Tensor& x, int64_t m, int64_t k,
 // these checks guard direct calls, so the kernels never index past the arrays.
 at::Tensor tca_bme_to_dense_cuda(const at::Tensor& bitmap, const at::Tensor& values, const at::Tensor& gtile_offset,
                                  int64_t m, int64_t k, int64_t gt_h, int64_t gt_w) {
-  TORCH_CHECK_VALUE(gt_h == kGt && gt_w == kGt, "spinfer::tca_bme_to_dense on CUDA supports GroupTile 64x64, got ",
-                    gt_h, "x", gt_w);
-  TORCH_CHECK_VALUE(m >= 1 && k >= 1 && m <= INT32_MAX && k <= INT32_MAX, "bad weight shape ", m, "x", k);
-  TORCH_CHECK_TYPE(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16,
-                   "values must be torch.float16 or torch.bfloat16, got ", values.scalar_type());
-  TORCH_CHECK_TYPE(bitmap.scalar_type() == at::kLong, "bitmap must be torch.int64, got ", bitmap.scalar_type());
-  TORCH_CHECK_TYPE(gtile_offset.scalar_type() == at::kInt, "gtile_offset must be torch.int32, got ",
-                   gtile_offset.scalar_type());
-  for (const at::Tensor* t : {&bitmap, &values, &gtile_offset}) {
-    TORCH_CHECK_VALUE(t->is_cuda() && t->device() == bitmap.device(), "TCA-BME arrays must be on one CUDA device");
-    TORCH_CHECK_VALUE(t->dim() == 1, "TCA-BME arrays must be 1-D");
-  }
-  const int64_t grid_m = (m + kGt - 1) / kGt, grid_k = (k + kGt - 1) / kGt;
-  TORCH_CHECK_VALUE(bitmap.numel() == grid_m * grid_k * kGt, "bitmap has ", bitmap.numel(), " words, a ", m, "x", k,
-                    " weight needs ", grid_m * grid_k * kGt);
-  TORCH_CHECK_VALUE(gtile_offset.numel() == grid_m * grid_k + 1, "gtile_offset has ", gtile_offset.numel(),
-                    " entries, expected ", grid_m * grid_k + 1);
-  TORCH_CHECK_VALUE(grid_k <= INT32_MAX, "weight too wide");
+  TORCH_CHECK_VALUE(bitmap.is_cuda(), "spinfer::tca_bme_to_dense (CUDA) got bitmap on ", bitmap.device());
+  const auto [grid_m, grid_k] = check_tca_bme_arrays("spinfer::tca_bme_to_dense", bitmap, values, gtile_offset, m, k,
+                                                     gt_h, gt_w, bitmap.device());
+  TORCH_CHECK_VALUE(m <= INT32_MAX && k <= INT32_MAX, "weight shape ", m, "x", k, " too large");
   const c10::cuda::CUDAGuard guard(bitmap.device());
   const at::Tensor bm = bitmap.contiguous(), vals = values.contiguous(), off = gtile_offset.contiguous();
   at::Tensor out = at::empty({m, k}, values.options());

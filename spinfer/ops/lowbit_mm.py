@@ -106,8 +106,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias)
     splits = check_splits(splits, balanced=True)
     m, k = weight.shape
-    if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
-        build.load_extension()  # JIT-compiles the kernels on first use, then cached
+    build.load_for(x2)  # JIT-compiles the kernels on first use, then cached
     if splits is None:
         splits = tuning.lowbit_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
     args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits)

@@ -77,8 +77,7 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
             f"the CUDA kernel supports GroupTile (64, 64), this weight uses {weight.group_tile}; "
             "re-encode it with TCABME.from_dense(w, group_tile=(64, 64))"
         )
-    if x2.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
-        build.load_extension()  # JIT-compiles the SMBD kernel on first use, then cached
+    build.load_for(x2)  # JIT-compiles the SMBD kernel on first use, then cached
     gt_h, gt_w = weight.group_tile
     if splits is None:
         splits = tuning.spmm_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0

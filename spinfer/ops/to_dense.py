@@ -44,30 +44,23 @@ torch.library.impl("spinfer::tca_bme_to_dense", "CPU")(_tca_bme_to_dense_cpu)
 torch.library.impl("spinfer::lowbit_to_dense", "CPU")(_lowbit_to_dense_cpu)
 
 
-def _on_cuda(t: torch.Tensor) -> bool:
-    if t.is_cuda and not build.is_loaded() and not torch.compiler.is_compiling():
-        build.load_extension()  # JIT-compiles the kernels on first use, then cached
-    return t.is_cuda
-
-
 def tca_bme_to_dense(weight) -> torch.Tensor:
     """Dense ``[M, K]`` of a :class:`~spinfer.format.TCABME` (CUDA kernel for GroupTile 64x64 on a
     GPU, the reference decoder otherwise)."""
     m, k = weight.shape
-    if _on_cuda(weight.bitmap) and tuple(weight.group_tile) == (64, 64):
+    if build.load_for(weight.bitmap) and tuple(weight.group_tile) == (64, 64):
         return torch.ops.spinfer.tca_bme_to_dense(weight.bitmap, weight.values, weight.gtile_offset, m, k, 64, 64)
     return decode(weight.bitmap, weight.values, weight.gtile_offset, (m, k), weight.group_tile)
 
 
-def lowbit_to_dense(weight: LowBitWeight, *, permuted: bool = False) -> torch.Tensor:
-    """Dense ``[M, K]`` of a :class:`~spinfer.quant.LowBitWeight`. ``permuted=True`` leaves the
-    columns in the stored (act-order) order, for ``x[..., perm] @ W.T``."""
+def lowbit_to_dense(weight: LowBitWeight) -> torch.Tensor:
+    """Dense ``[M, K]`` of a :class:`~spinfer.quant.LowBitWeight`, in the original K order."""
     m, k = weight.shape
-    if _on_cuda(weight.qweight):
+    if build.load_for(weight.qweight):
         w = torch.ops.spinfer.lowbit_to_dense(weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k)
     else:
         w = dequantize(weight.qweight, weight.scale_zero, weight.bits, weight.group_size, (m, k))
-    if weight.perm is None or permuted:
+    if weight.perm is None:
         return w
     out = torch.empty_like(w)
     out[:, weight.perm] = w

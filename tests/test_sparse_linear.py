@@ -268,3 +268,21 @@ def test_dense_sparsity_counts_positive_zeros_only():
     w[0, :4] = 0.0
     w[1, :2] = -0.0  # stored by TCA-BME, so not sparsity
     assert SparseLinear(w).sparsity == pytest.approx(4 / 32)
+
+
+def test_decode_dense_model_counts_one_chained_launch_and_l2_reuse():
+    """decode+dense is the decode's stream and launch, then the dense stream behind it for
+    chain_launch, less what of a decoded weight smaller than L2 is read back from L2."""
+    prof = P.DeviceProfile()
+    wb = 10 << 20
+    for m, k in [(4096, 4096), (16384, 8192)]:
+        decoded = 2 * m * k
+        no_reuse = P.DeviceProfile(l2_reuse=0.0)
+        base = (wb + decoded) / prof.decode_bandwidth + prof.launch + (decoded + 2 * (m + k)) / prof.dense_bandwidth
+        assert P.predict(P.DECODE_DENSE, m, k, 1, wb, no_reuse) == pytest.approx(base + prof.chain_launch)
+        saved = P.predict(P.DECODE_DENSE, m, k, 1, wb, no_reuse) - P.predict(P.DECODE_DENSE, m, k, 1, wb, prof)
+        expect = prof.l2_reuse * decoded * max(0.0, 1 - decoded / prof.l2_bytes) / prof.dense_bandwidth
+        assert saved == pytest.approx(expect)
+        assert (saved > 0) == (decoded < prof.l2_bytes)  # 33.5 MB decoded fits an H100's L2; 268 MB does not
+    # a low-bit layer above fused_max_n is predicted as the same decode + dense
+    assert P.predict(P.LOWBIT, 4096, 4096, 1024, wb, prof, bits=4) == P.predict(P.DECODE_DENSE, 4096, 4096, 1024, wb, prof)

@@ -67,6 +67,18 @@ class DeviceProfile:
     # the CUDA decode kernels on H100 (`spinfer bench to_dense`, 2026-11-23): 2.57-2.88 TB/s for
     # TCA-BME at 30-70%, 2.7-2.96 for low-bit. (The torch-op decoders before: 0.14 TB/s.)
     decode_bandwidth: float = 2.76e12
+    # Decode+dense is two kernels back to back in one call. The second one's launch hides behind
+    # the first's tail, so it costs chain_launch, not launch: the large layer's decode+dense time
+    # less the model's decode and dense terms (16384x8192 at 50%, H100, 2026-11-23: 255.4 us
+    # measured, 253.8 us without this term). And the decoded weight was just written, so when it is
+    # smaller than L2 part of it is read back from L2: the dense term reads
+    # D - l2_reuse * D * (1 - D / l2_bytes) bytes from HBM (none past l2_bytes, most at half of it);
+    # l2_reuse from 4096x4096 at 50% (33.5 MB decoded, 34.8 us measured, 2.7 us under the term
+    # without reuse). Without them the model kept SpMM at N = 128 on 1024-4096-row layers where
+    # decode+dense was 3-15% faster (docs/policy.md, nineteenth session).
+    chain_launch: float = 1.6e-6
+    l2_bytes: float = 52428800.0  # the H100's L2 (torch's L2_cache_size); calibrate() reads the device's
+    l2_reuse: float = 0.62
     # The fused low-bit kernel: bytes/s of its packed weight at N = 1, and the token count that
     # doubles its time (fitted to bench_lowbit on H100, 2026-11-22 after the warp-group change:
     # 28672x8192 4-bit 58 / 96 / 121 / 221 us at N = 1 / 16 / 32 / 64; the fit gives 57 / 91 /
@@ -93,8 +105,7 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
     if kernel == SPMM:
         return (max((weight_bytes + io) / profile.sparse_bandwidth, num_group_tiles * profile.gt_time(n))
                 + profile.spmm_launch)
-    # Decode, then dense: two launches, the decode kernel's fixed cost on top of its stream.
-    decode_dense = (weight_bytes + 2 * m * k) / profile.decode_bandwidth + profile.launch + dense
+    decode_dense = _decode_then_dense(m, k, n, weight_bytes, io, dense_compute, profile)
     if kernel == DECODE_DENSE:
         return decode_dense
     if kernel == LOWBIT:
@@ -104,6 +115,16 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
             return (weight_bytes + io) / profile.lowbit_bandwidth * (1 + n / profile.lowbit_n_scale) + profile.launch
         return decode_dense  # dequantize, then cuBLAS
     raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _decode_then_dense(m: int, k: int, n: int, weight_bytes: int, io: int, dense_compute: float,
+                       profile: DeviceProfile) -> float:
+    """Decode to a dense fp16 weight (its stream and launch), then F.linear on it launched right
+    behind (chain_launch), reading back from L2 what of the decoded weight stayed there."""
+    decoded = 2 * m * k
+    reused = profile.l2_reuse * decoded * max(0.0, 1.0 - decoded / profile.l2_bytes)
+    decode = (weight_bytes + decoded) / profile.decode_bandwidth + profile.launch
+    return decode + max((decoded - reused + io) / profile.dense_bandwidth, dense_compute) + profile.chain_launch
 
 
 _PROFILE_FILE = "device_profiles.json"
@@ -172,7 +193,19 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     prof = DeviceProfile(name=torch.cuda.get_device_name(dev), dense_bandwidth=dense_bw,
                          sparse_bandwidth=large_bytes / (gt_cost[8] * ngt), tensor_flops=flops,
                          launch=launch, spmm_launch=spmm_launch, gt_cost=gt_cost,
-                         decode_bandwidth=(large_bytes + 2 * m * k) / td, measured=True)
+                         decode_bandwidth=(large_bytes + 2 * m * k) / td,
+                         l2_bytes=float(torch.cuda.get_device_properties(dev).L2_cache_size), measured=True)
+    # Decode+dense as one call: chain_launch from the large layer (decoded far past L2), then
+    # l2_reuse from the small one (decoded 33.5 MB: below an H100's 50 MB L2, not on every GPU).
+    prof.chain_launch = prof.l2_reuse = 0.0
+    t_dd = median_time(lambda: torch.nn.functional.linear(x1, enc.to_dense()), dev, reps=10)
+    prof.chain_launch = max(t_dd - predict(DECODE_DENSE, m, k, 1, large_bytes, prof), 0.0)
+    t_dd_small = median_time(lambda: torch.nn.functional.linear(xs, small_enc.to_dense()), dev, reps=20)
+    decoded = 2 * 4096 * 4096
+    room = decoded * max(0.0, 1.0 - decoded / prof.l2_bytes)
+    if room > 0:
+        unexplained = predict(DECODE_DENSE, 4096, 4096, 1, small_bytes, prof) - t_dd_small
+        prof.l2_reuse = min(max(unexplained * dense_bw / room, 0.0), 1.0)
     key = device_key(dev)
     _PROFILES[key] = prof
     if save:

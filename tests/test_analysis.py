@@ -227,3 +227,36 @@ def test_e2e_prefill_cli(capsys):
                        "--variants", "dense,sparse50,w4"]) == 0
     out = capsys.readouterr().out
     assert "p16" in out and "p24" in out and "lowbit->lowbit" in out
+
+
+def test_e2e_attention_equals_attention_over_repeated_kv_heads():
+    """The decode step's grouped-query attention on the cache, with the Stack's additive mask,
+    equals plain attention over the cache with each KV head repeated for its query heads and a
+    boolean mask of the positions written so far."""
+    import torch.nn.functional as F
+
+    from spinfer.bench.e2e import Stack
+
+    torch.manual_seed(2)
+    hidden, inter, heads, kv, max_len, batch = 64, 96, 8, 2, 7, 3
+    stack = Stack(1, hidden, inter, heads, kv, max_len, batch).double()
+    layer = stack.layers[0]
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(batch, 1, hidden, dtype=torch.float64)
+            pos = torch.tensor([step])
+            out = stack(x, pos)
+            q = layer._qkv(layer.norm1(x))[0]
+            rep = heads // kv
+            mask = (torch.arange(max_len) <= step).view(1, 1, 1, -1)
+            a = F.scaled_dot_product_attention(q, layer.k_cache.repeat_interleave(rep, dim=1),
+                                               layer.v_cache.repeat_interleave(rep, dim=1), attn_mask=mask)
+            torch.testing.assert_close(out, stack.norm(layer._rest(x, a)))
+
+
+def test_to_dense_bench_parses_its_weight_options():
+    from spinfer.bench.to_dense import parse_quants
+
+    assert parse_quants("1:128,4:64") == [(1, 128), (4, 64)] and parse_quants("") == []
+    with pytest.raises(SystemExit, match="BITS:GROUP"):
+        parse_quants("4")

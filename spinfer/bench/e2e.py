@@ -4,14 +4,14 @@ layer forced to TCA-BME) and quantized to 4-bit g128. A "+tuned" variant ("spars
 "w4+tuned") first measures each layer's split-K factor at the batch (spinfer.tuning).
 
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
-and SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
+and grouped-query SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
 download. One decode step for a batch (1, 8, 16 sequences) is captured in a CUDA graph and
 replayed; tokens per second = batch * steps / time. With --prefill, one prompt of each length
 (batch 1, causal attention over it, eager) goes through the same stacks: prompt tokens per
 second, where the linear layers see N = the prompt length. Attention, norms and everything else are
 the same module instances in every variant; only the nn.Linear layers are replaced.
 
-    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048]
+    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048] [--eager-norms]
     python benchmarks/bench_e2e.py ...      (same)
     spinfer bench e2e --tiny --device cpu   (a small smoke run of the same code, no graphs)
 """
@@ -32,13 +32,32 @@ import spinfer
 from spinfer.nn import SparseLinear
 
 
+def rms_norm(x, weight):
+    return F.rms_norm(x, (x.shape[-1],), weight, 1e-5)
+
+
+# On CUDA the norms run as one generated kernel (torch.compile of rms_norm): torch's own kernel
+# takes 6.3 us for one 4096-wide row on H100, 56 us of a 4-layer dense step of ~810 at batch 1
+# (profile, docs/benchmarks.md). Serving engines fuse their norms too; every variant runs the same
+# norm, so only the shared part of a step shrinks. --eager-norms keeps torch's kernel.
+_COMPILED = {"on": True, "fn": None}
+
+
+def _rms_norm_cuda(x, weight):
+    if _COMPILED["fn"] is None:
+        _COMPILED["fn"] = torch.compile(rms_norm, dynamic=False)
+    return _COMPILED["fn"](x, weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5)
+        if x.is_cuda and _COMPILED["on"]:
+            return _rms_norm_cuda(x, self.weight)
+        return rms_norm(x, self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -87,24 +106,23 @@ class DecoderLayer(nn.Module):
             gate, up = self.gate_proj(h), self.up_proj(h)
         return x + self.down_proj(F.silu(gate) * up)
 
-    def forward(self, x, pos, mask):  # x [B, 1, H]; pos: 1-element long tensor; mask [1, 1, 1, L]
+    def forward(self, x, pos, mask):
+        """x [B, 1, H]; pos: 1-element long tensor; mask [1, 1, 1, L]: True or 0.0 where a cache
+        position is attended (Stack passes an additive mask in x's dtype, made once a step)."""
         q, k, v = self._qkv(self.norm1(x))
         self.k_cache.index_copy_(2, pos, k)
         self.v_cache.index_copy_(2, pos, v)
-        rep = self.heads // self.kv_heads
-        kk = self.k_cache.repeat_interleave(rep, dim=1)
-        vv = self.v_cache.repeat_interleave(rep, dim=1)
-        return self._rest(x, F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask))
+        # Grouped-query attention straight on the cache (enable_gqa), not on a copy of it with each
+        # KV head repeated for its query heads: that copy was two extra kernels a layer.
+        a = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+        return self._rest(x, a)
 
     def prefill(self, x):  # x [B, T, H]: a prompt; causal attention over it, its keys and values cached
         q, k, v = self._qkv(self.norm1(x))
         t = x.shape[1]
         self.k_cache[:, :, :t].copy_(k)
         self.v_cache[:, :, :t].copy_(v)
-        rep = self.heads // self.kv_heads
-        a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
-                                           is_causal=True)
-        return self._rest(x, a)
+        return self._rest(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
 
 class Stack(nn.Module):
@@ -116,7 +134,10 @@ class Stack(nn.Module):
         self.max_len = max_len
 
     def forward(self, x, pos):
-        mask = (torch.arange(self.max_len, device=x.device) <= pos).view(1, 1, 1, -1)
+        # Additive, in x's dtype: attention takes it as is (a boolean mask was converted to one
+        # in every layer, two fill kernels each).
+        past = torch.arange(self.max_len, device=x.device) > pos
+        mask = torch.zeros(1, 1, 1, self.max_len, device=x.device, dtype=x.dtype).masked_fill(past, float("-inf"))
         for layer in self.layers:
             x = layer(x, pos, mask)
         return self.norm(x)
@@ -249,6 +270,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="hidden 256, MLP 512, 8/2 heads: a smoke run")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--eager-norms", action="store_true", help="torch's RMSNorm kernel instead of a compiled one")
     p.add_argument("--fused", action="store_true",
                    help="q/k/v and gate/up as one projection each, in every variant (dense too)")
     a = p.parse_args(argv)
@@ -260,13 +282,15 @@ def main(argv=None) -> int:
     batches = [int(v) for v in a.batches.split(",")] if a.batches else []
     prompts = [int(v) for v in a.prefill.split(",")] if a.prefill else []
     variants = a.variants.split(",")
+    _COMPILED["on"] = not a.eager_norms
     dtype = torch.float16
     if device.type == "cuda":
         spinfer.build.load_extension()
         print(f"device {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
     print(f"{a.layers} decoder layers, hidden {hidden}, MLP {inter}, {heads}/{kv} heads, {a.steps} greedy steps, "
           f"{'CUDA graphs' if device.type == 'cuda' and not a.no_graphs else 'eager'}"
-          f"{', fused qkv and gate_up projections' if a.fused else ''}")
+          f"{', fused qkv and gate_up projections' if a.fused else ''}"
+          f"{', compiled RMSNorm' if device.type == 'cuda' and not a.eager_norms else ''}")
     print(f"{'variant':<15} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
     torch.manual_seed(0)
 

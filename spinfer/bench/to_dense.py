@@ -10,7 +10,7 @@ decode + F.linear (cuBLAS) and cuBLAS alone on the dense weight; the smallest N 
 cuBLAS stays ahead is the crossover that ``lowbit_mm`` (``fused_max_n``) and the SparseLinear policy
 (its decode bandwidth) use.
 
-    spinfer bench to_dense [--quick] [--csv results/to_dense.csv]   (needs a CUDA GPU)
+    spinfer bench to_dense [--quick] [--quants 1:128,4:128] [--sparsities 0.5] [--ns 64,128] [--csv F]   (needs a CUDA GPU)
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ NS = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048]
 QUICK_NS = [32, 64, 128, 256, 512, 1024]
 
 
+def parse_quants(text: str):
+    """'1:128,4:128' -> [(1, 128), (4, 128)] (bits, group size)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        bits, _, group = item.partition(":")
+        if not group:
+            raise SystemExit(f"--quants: {item!r} is not BITS:GROUP (e.g. 4:128)")
+        out.append((int(bits), int(group)))
+    return out
+
+
 def crossover(ns, fused, decoded):
     """Smallest N from which decode + cuBLAS is at least as fast at every larger N measured."""
     best = None
@@ -53,6 +64,9 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(f"{m}x{k}" for m, k in SHAPES))
     p.add_argument("--ns", default=None, help="token counts of the crossover part")
     p.add_argument("--quick", action="store_true", help="fewer N, 50%% sparsity and 4-bit only in part 2")
+    p.add_argument("--quants", default=None,
+                   help="low-bit widths and group sizes, e.g. 1:128,4:128 (default 4:128,8:128,2:64; --quick: 4:128 in part 2)")
+    p.add_argument("--sparsities", default=None, help="TCA-BME sparsities, e.g. 0.5 ('' for none)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--csv", default=None)
     a = p.parse_args(argv)
@@ -62,6 +76,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     shapes = parse_shapes(a.shapes)
     ns = [int(v) for v in a.ns.split(",")] if a.ns else (QUICK_NS if a.quick else NS)
+    quants = parse_quants(a.quants) if a.quants is not None else QUANTS
+    sparsities = [float(v) for v in a.sparsities.split(",") if v] if a.sparsities is not None else SPARSITIES
     spinfer.build.load_extension()
     copy = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name(dev)}; copy bandwidth {copy / 1e9:.0f} GB/s (read + write); "
@@ -76,7 +92,7 @@ def main(argv=None) -> int:
     print(f"{'shape':>12} {'weight':>12} {'us':>8} {'GB/s':>7} {'% copy':>7} {'torch ops us':>13}")
     for si, (m, k) in enumerate(shapes):
         w = torch.randn(m, k, device=dev, generator=gen).half()
-        for sp in SPARSITIES:
+        for sp in sparsities:
             ws = w.masked_fill(torch.rand(m, k, device=dev, generator=gen) < sp, 0)
             enc = TCABME.from_dense(ws)
             t = timed(enc.to_dense)
@@ -88,7 +104,7 @@ def main(argv=None) -> int:
             rows.append(dict(part="to_dense", m=m, k=k, weight=f"tca-bme-{sp}", n=0, us=t * 1e6,
                              gbps=moved / t / 1e9, copy_pct=100 * moved / t / copy, torch_ops_us=t_old * 1e6))
             del enc, ws
-        for bits, group in QUANTS:
+        for bits, group in quants:
             q = LowBitWeight.quantize(w, bits, group)
             t = timed(q.dequantize)
             moved = q.storage_bytes().total + 2 * m * k
@@ -101,8 +117,10 @@ def main(argv=None) -> int:
             del q
 
     print("\n== part 2: fused kernel against decode + cuBLAS, x cuBLAS on the dense weight (us)")
-    sparsities = [0.5] if a.quick else [0.5, 0.7]
-    quants = [(4, 128)] if a.quick else QUANTS
+    if a.sparsities is None:
+        sparsities = [0.5] if a.quick else [0.5, 0.7]
+    if a.quants is None and a.quick:
+        quants = [(4, 128)]
     summary = []
     for m, k in shapes:
         w = torch.randn(m, k, device=dev, generator=gen).half()

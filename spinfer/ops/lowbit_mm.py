@@ -24,7 +24,7 @@ from .linear_input import check_op_inputs, check_out, check_splits, flatten_inpu
 # (lowbit_to_dense) and cuBLAS multiplies. The fused kernel decodes the weight again for every
 # 32-token tile, so its time grows with N, while decode + cuBLAS costs one pass over the weight
 # (0.40-0.47x cuBLAS at N = 64-256). Measured crossover on H100, four issue shapes (`spinfer bench
-# to_dense`, docs/quant.md): decode + cuBLAS stays ahead from N = 128-160 at 1/2/4 bits (4-bit at
+# to_dense`, docs/quant.md): decode + cuBLAS stays ahead from N = 128-160 at 2/4 bits, 160 at 1 bit (4-bit at
 # N = 128: fused 0.42-0.49x cuBLAS, decoded 0.44-0.47x) and from N = 96-128 at 8 bits (N = 128:
 # fused 0.34-0.37x, decoded 0.40-0.43x). Never below 32 (issue 4).
 FUSED_MAX_N = {1: 128, 2: 128, 4: 128, 8: 96}

@@ -286,3 +286,12 @@ def test_decode_dense_model_counts_one_chained_launch_and_l2_reuse():
         assert (saved > 0) == (decoded < prof.l2_bytes)  # 33.5 MB decoded fits an H100's L2; 268 MB does not
     # a low-bit layer above fused_max_n is predicted as the same decode + dense
     assert P.predict(P.LOWBIT, 4096, 4096, 1024, wb, prof, bits=4) == P.predict(P.DECODE_DENSE, 4096, 4096, 1024, wb, prof)
+
+
+@pytest.mark.cuda
+def test_uncalibrated_profile_takes_the_devices_l2_size(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))  # no stored calibration
+    monkeypatch.setattr(P, "_PROFILES", {})
+    prof = P.profile_for(torch.device("cuda"))
+    assert not prof.measured
+    assert prof.l2_bytes == torch.cuda.get_device_properties(0).L2_cache_size

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import spinfer
 from spinfer.nn import SparseLinear
+from spinfer.timing import median_time
 
 
 def rms_norm(x, weight):
@@ -219,9 +220,9 @@ def decode_rate(model, batch, hidden, steps, device, graphs: bool) -> float:
 
 def prefill_rate(model, tokens, hidden, device, graphs: bool, reps: int = 20) -> float:
     """Prompt tokens per second of one prefill of `tokens` tokens (batch 1; median of `reps`). On
-    CUDA the prefill is captured in a CUDA graph and replayed, as the decode step is: eager, the
-    host's ~100 launches a layer showed in the 512-token times (dense 155-268k tokens/s over four
-    runs of one lease)."""
+    CUDA the prefill is captured in a CUDA graph and replayed, as the decode step is: eager, host
+    launch gaps showed in the 512-token times (dense 155-268k tokens/s over four runs of one
+    lease)."""
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.float16)
     with torch.no_grad():
         for _ in range(2):  # warm up: kernels built, policy choices made and cached
@@ -233,21 +234,9 @@ def prefill_rate(model, tokens, hidden, device, graphs: bool, reps: int = 20) ->
             with torch.cuda.graph(g):
                 model.prefill(x)
             run = g.replay
-        times = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-    return tokens / sorted(times)[len(times) // 2]
+        # The stack's weights are far larger than L2, so no flush; the warm-up ran above.
+        seconds = median_time(run, device, reps=reps, warmup=0, flush_l2=False, max_seconds=None)
+    return tokens / seconds
 
 
 def build_variant(base, name, batch):

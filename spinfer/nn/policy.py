@@ -136,7 +136,8 @@ _PROFILES: Dict[str, DeviceProfile] = {}
 
 def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     """The cached measured profile of a CUDA device, else the defaults (no GPU: the defaults
-    describe the H100 the kernels are tuned for)."""
+    describe the H100 the kernels are tuned for; an uncalibrated GPU gets them with its own L2
+    size, which torch reports without timing anything)."""
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return DeviceProfile()
     key = device_key(torch.device(device))
@@ -147,7 +148,8 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
         stored["gt_cost"] = {int(b): v for b, v in stored["gt_cost"].items()}
         _PROFILES[key] = DeviceProfile(**stored)
     else:
-        _PROFILES[key] = DeviceProfile()
+        l2 = getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0)
+        _PROFILES[key] = DeviceProfile(l2_bytes=float(l2)) if l2 > 0 else DeviceProfile()
     return _PROFILES[key]
 
 

@@ -260,3 +260,18 @@ def test_to_dense_bench_parses_its_weight_options():
     assert parse_quants("1:128,4:64") == [(1, 128), (4, 64)] and parse_quants("") == []
     with pytest.raises(SystemExit, match="BITS:GROUP"):
         parse_quants("4")
+
+
+def test_e2e_norm_falls_back_to_torch_when_compile_fails(monkeypatch, capsys):
+    """The benchmark's compiled RMSNorm (CUDA only) goes on with torch's kernel, and says so, when
+    torch.compile cannot build it (no Triton)."""
+    import spinfer.bench.e2e as e2e
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no triton")
+
+    monkeypatch.setattr(e2e, "_COMPILED", {"on": True, "fn": None})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    x, w = torch.randn(2, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    torch.testing.assert_close(e2e._rms_norm_cuda(x, w), e2e.rms_norm(x, w))
+    assert e2e._COMPILED["on"] is False and "torch.compile of RMSNorm failed" in capsys.readouterr().err

@@ -105,7 +105,7 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
     if kernel == SPMM:
         return (max((weight_bytes + io) / profile.sparse_bandwidth, num_group_tiles * profile.gt_time(n))
                 + profile.spmm_launch)
-    decode_dense = _decode_then_dense(m, k, n, weight_bytes, io, dense_compute, profile)
+    decode_dense = _decode_then_dense(m, k, weight_bytes, io, dense_compute, profile)
     if kernel == DECODE_DENSE:
         return decode_dense
     if kernel == LOWBIT:
@@ -117,7 +117,7 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def _decode_then_dense(m: int, k: int, n: int, weight_bytes: int, io: int, dense_compute: float,
+def _decode_then_dense(m: int, k: int, weight_bytes: int, io: int, dense_compute: float,
                        profile: DeviceProfile) -> float:
     """Decode to a dense fp16 weight (its stream and launch), then F.linear on it launched right
     behind (chain_launch), reading back from L2 what of the decoded weight stayed there."""

@@ -254,12 +254,20 @@ def test_e2e_attention_equals_attention_over_repeated_kv_heads():
             torch.testing.assert_close(out, stack.norm(layer._rest(x, a)))
 
 
-def test_to_dense_bench_parses_its_weight_options():
-    from spinfer.bench.to_dense import parse_quants
+def test_bench_weight_options_and_the_gpu_check():
+    """bits:group lists (bench lowbit --configs, bench to_dense --quants), and the GPU-only
+    benches' refusal without a GPU."""
+    from spinfer.bench import parse_quants, require_cuda
+    from spinfer.bench.__main__ import main as bench_main
 
     assert parse_quants("1:128,4:64") == [(1, 128), (4, 64)] and parse_quants("") == []
-    with pytest.raises(SystemExit, match="BITS:GROUP"):
-        parse_quants("4")
+    for bad in ("4", "4:x"):
+        with pytest.raises(SystemExit, match="BITS:GROUP"):
+            parse_quants(bad)
+    if not torch.cuda.is_available():
+        assert require_cuda("spmm") is False
+        for bench in ("spmm", "lowbit", "to_dense", "policy"):
+            assert bench_main([bench]) == 2
 
 
 def test_e2e_norm_falls_back_to_torch_when_compile_fails(monkeypatch, capsys):

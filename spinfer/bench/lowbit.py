@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 
 import spinfer
 from spinfer import tuning
-from spinfer.bench import parse_shapes, write_rows
+from spinfer.bench import parse_quants, parse_shapes, require_cuda, write_rows
 from spinfer.ops.lowbit_mm import FUSED_MAX_N, fused_max_n
 from spinfer.quant import LowBitWeight
 from spinfer.timing import copy_bandwidth, median_time
@@ -91,13 +90,12 @@ def main(argv=None) -> int:
                    help="time each layer with its split-K factor measured first by spinfer.tuning.tune_lowbit "
                         "(in memory) instead of the planner's rule")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_lowbit: needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("lowbit"):
         return 2
     dev = torch.device("cuda")
     shapes = parse_shapes(a.shapes) if a.shapes else SHAPES
     ns = [int(v) for v in a.ns.split(",")] if a.ns else (QUICK_NS if a.quick else NS)
-    configs = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")] if a.configs else (
+    configs = parse_quants(a.configs) if a.configs else (
         QUICK_CONFIGS if a.quick else CONFIGS)
 
     spinfer.build.load_extension()

@@ -8,13 +8,12 @@ against the candidates' measured times (the same timing ``policy="autotune"`` us
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict
 
 import torch
 
 import spinfer
-from spinfer.bench import parse_shapes
+from spinfer.bench import parse_shapes, require_cuda
 from spinfer.nn import SparseLinear
 from spinfer.nn import policy as P
 from spinfer.timing import median_time
@@ -32,8 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--calibrate", action="store_true", help="measure the device constants first")
     p.add_argument("--shapes", default=None)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_policy: needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("policy"):
         return 2
     dev = torch.device("cuda")
     spinfer.build.load_extension()

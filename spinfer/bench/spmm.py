@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 
 import spinfer
-from spinfer.bench import parse_shapes, write_rows
+from spinfer.bench import parse_shapes, require_cuda, write_rows
 from spinfer import tuning
 from spinfer.format import TCABME
 from spinfer.timing import copy_bandwidth, median_time
@@ -60,8 +59,7 @@ def main(argv=None) -> int:
                    help="time each layer with its split-K factor measured first by spinfer.tuning.tune_spmm "
                         "(in memory) instead of the planner's rule")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_spmm: needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("spmm"):
         return 2
     dev = torch.device("cuda")
     dt = torch.float16 if a.dtype == "fp16" else torch.bfloat16

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 
 import spinfer
-from spinfer.bench import parse_shapes, write_rows
+from spinfer.bench import parse_quants, parse_shapes, require_cuda, write_rows
 from spinfer.format import TCABME
 from spinfer.format.tca_bme import decode
 from spinfer.quant import LowBitWeight
@@ -35,17 +34,6 @@ SPARSITIES = [0.3, 0.5, 0.7]
 QUANTS = [(4, 128), (8, 128), (2, 64)]
 NS = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048]
 QUICK_NS = [32, 64, 128, 256, 512, 1024]
-
-
-def parse_quants(text: str):
-    """'1:128,4:128' -> [(1, 128), (4, 128)] (bits, group size)."""
-    out = []
-    for item in filter(None, text.split(",")):
-        bits, _, group = item.partition(":")
-        if not group:
-            raise SystemExit(f"--quants: {item!r} is not BITS:GROUP (e.g. 4:128)")
-        out.append((int(bits), int(group)))
-    return out
 
 
 def crossover(ns, fused, decoded):
@@ -70,8 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--csv", default=None)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("spinfer bench to_dense: needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("to_dense"):
         return 2
     dev = torch.device("cuda")
     shapes = parse_shapes(a.shapes)

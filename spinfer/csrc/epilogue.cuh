@@ -11,30 +11,10 @@
 
 #include <cstdint>
 
+#include "dtype.cuh"
 #include "ptx.cuh"
 
 namespace spinfer {
-
-template <bool kBF16>
-struct Out;
-template <>
-struct Out<false> {
-  static __device__ __forceinline__ float load(const void* p, int i) {
-    return __half2float(static_cast<const __half*>(p)[i]);
-  }
-  static __device__ __forceinline__ void store(void* p, int64_t i, float v) {
-    static_cast<__half*>(p)[i] = __float2half_rn(v);
-  }
-};
-template <>
-struct Out<true> {
-  static __device__ __forceinline__ float load(const void* p, int i) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  }
-  static __device__ __forceinline__ void store(void* p, int64_t i, float v) {
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-  }
-};
 
 // Where a block's results go.
 struct TileOut {
@@ -63,7 +43,7 @@ __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* til
     const int m = m_base + (4 * v) % kBlockRows, n = n0 + 4 * v / kBlockRows;
     float bias[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) bias[e] = o.bias && m + e < o.m ? Out<kBF16>::load(o.bias, m + e) : 0.f;
+    for (int e = 0; e < 4; ++e) bias[e] = o.bias && m + e < o.m ? load_float<kBF16>(o.bias, m + e) : 0.f;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int sp = 0; sp < splits; ++sp) {  // in split order: the sum is deterministic
       const float4 p = __ldcg(base + sp * vec_stride + v);
@@ -72,7 +52,7 @@ __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* til
     const float s[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (m + e < o.m) Out<kBF16>::store(o.y, static_cast<int64_t>(n) * o.m + m + e, s[e] + bias[e]);
+      if (m + e < o.m) store_float<kBF16>(o.y, static_cast<int64_t>(n) * o.m + m + e, s[e] + bias[e]);
   }
 }
 
@@ -108,8 +88,8 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
       for (int e = 0; e < 4; ++e) {
         const int m = m_base + m_local + (e / 2) * 8, n = n0 + nb * 8 + 2 * tq + (e % 2);
         if (m < o.m && n < o.n) {
-          const float bias = o.bias ? Out<kBF16>::load(o.bias, m) : 0.f;
-          Out<kBF16>::store(o.y, static_cast<int64_t>(n) * o.m + m, acc[nb][e] + bias);
+          const float bias = o.bias ? load_float<kBF16>(o.bias, m) : 0.f;
+          store_float<kBF16>(o.y, static_cast<int64_t>(n) * o.m + m, acc[nb][e] + bias);
         }
       }
     return;
@@ -147,8 +127,8 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
       float s = 0.f;
       for (int sp = 0; sp < splits; ++sp) s += __ldcg(tile_base + sp * split_stride + idx);
       if (m < o.m && n < o.n) {
-        const float bias = o.bias ? Out<kBF16>::load(o.bias, m) : 0.f;
-        Out<kBF16>::store(o.y, static_cast<int64_t>(n) * o.m + m, s + bias);
+        const float bias = o.bias ? load_float<kBF16>(o.bias, m) : 0.f;
+        store_float<kBF16>(o.y, static_cast<int64_t>(n) * o.m + m, s + bias);
       }
     }
   }

@@ -29,6 +29,7 @@
 
 #include <atomic>
 
+#include "dtype.cuh"
 #include "epilogue.cuh"
 #include "launch.cuh"
 #include "lowbit_mm.h"
@@ -143,80 +144,21 @@ struct Layout {
   static_assert(kWStride % 16 == 0 && kXOffset % 16 == 0 && kStageBytes % 16 == 0, "16-byte alignment");
 };
 
+// The magic-number constants of a dtype (unpack_pair) on top of its pair arithmetic (dtype.cuh).
 template <bool kBF16>
 struct Num;
 template <>
-struct Num<false> {
+struct Num<false> : Packed<false> {
   static constexpr uint32_t kMagic = 0x64006400u;  // half2(1024, 1024)
   static constexpr float kMagicValue = 1024.f;
   // Integer zero points the A fragments subtract exactly (integer_zero): magic + z in [0, 2047].
   static constexpr float kZeroLo = -1024.f, kZeroHi = 1023.f;
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ uint32_t add(uint32_t a, uint32_t b) {
-    const __half2 r = __hadd2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
-    const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
-                              *reinterpret_cast<const __half2*>(&c));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ bool equal(uint32_t a, uint32_t b) {  // both halves; NaN never equal
-    return __hbeq2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  }
-  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [kZeroLo, kZeroHi]
-    const uint32_t lo = splat(kZeroLo), hi = splat(kZeroHi);
-    const __half2 r = __hmin2(__hmax2(*reinterpret_cast<const __half2*>(&z), *reinterpret_cast<const __half2*>(&lo)),
-                              *reinterpret_cast<const __half2*>(&hi));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ float to_float(uint16_t v) { return __half2float(__ushort_as_half(v)); }
-  static __device__ __forceinline__ uint32_t splat(float v) {
-    const __half h = __float2half_rn(v);
-    const uint32_t u = __half_as_ushort(h);
-    return u | (u << 16);
-  }
 };
 template <>
-struct Num<true> {
+struct Num<true> : Packed<true> {
   static constexpr uint32_t kMagic = 0x43004300u;  // bfloat162(128, 128)
   static constexpr float kMagicValue = 128.f;
   static constexpr float kZeroLo = -128.f, kZeroHi = 127.f;  // magic + z in [0, 255]
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    const __nv_bfloat162 r =
-        __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ uint32_t add(uint32_t a, uint32_t b) {
-    const __nv_bfloat162 r =
-        __hadd2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
-    const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&b),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&c));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ bool equal(uint32_t a, uint32_t b) {
-    return __hbeq2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-  }
-  static __device__ __forceinline__ uint32_t clamp_zero(uint32_t z) {  // to [kZeroLo, kZeroHi]
-    const uint32_t lo = splat(kZeroLo), hi = splat(kZeroHi);
-    const __nv_bfloat162 r = __hmin2(__hmax2(*reinterpret_cast<const __nv_bfloat162*>(&z),
-                                             *reinterpret_cast<const __nv_bfloat162*>(&lo)),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&hi));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ float to_float(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
-  static __device__ __forceinline__ uint32_t splat(float v) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(v);
-    const uint32_t u = __bfloat16_as_ushort(h);
-    return u | (u << 16);
-  }
 };
 
 // Values s and s + V/2 of a packed word as an exact half2/bfloat162 of q - zi, zi an integer
@@ -489,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
         zc2 = Num<kBF16>::kMagic;
         exact = Num<kBF16>::equal(zz, 0u);
       } else {
-        zc2 = Num<kBF16>::add(Num<kBF16>::clamp_zero(zz), Num<kBF16>::kMagic);
+        zc2 = Num<kBF16>::add(Num<kBF16>::clamp(zz, Num<kBF16>::splat(Num<kBF16>::kZeroLo), Num<kBF16>::splat(Num<kBF16>::kZeroHi)), Num<kBF16>::kMagic);
         exact = Num<kBF16>::equal(Num<kBF16>::sub(zc2, Num<kBF16>::kMagic), zz);
       }
 #pragma unroll

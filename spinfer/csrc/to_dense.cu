@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "dtype.cuh"
 #include "to_dense.h"
 
 namespace spinfer {
@@ -90,28 +91,11 @@ __global__ void __launch_bounds__(kThreads) tca_bme_kernel(const TcaBmeToDenseAr
 }
 
 // ---- packed low-bit (spinfer/quant/lowbit.py has the layout) --------------------------------
-template <typename T>
-struct Dtype;
-template <>
-struct Dtype<__half> {
-  using Pair = __half2;
-  static __device__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __half from_float(float v) { return __float2half_rn(v); }
-  static __device__ uint16_t bits(__half v) { return __half_as_ushort(v); }
-};
-template <>
-struct Dtype<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
-  static __device__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  static __device__ uint16_t bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-};
-
 // One thread per 8 output columns of one row: in the fragment order those are 4 values from
 // each of two words (lanes 2h and 2h+1 of k16 tile T, where the columns are 16T + 8h .. +7), so
 // a thread loads two words and one (scale, zero) pair and stores 16 bytes. A block covers 1024
 // consecutive columns of a row; rows run along the grid's y dimension.
-template <typename T, int BITS>
+template <bool kBF16, int BITS>
 __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArgs a) {
   constexpr int V = 32 / BITS;                     // values per word
   constexpr int Q = V / 4;                         // k16 tiles per word and lane
@@ -119,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
   constexpr int S = BITS == 8 ? 128 : 256;         // columns per qweight tile
   constexpr int kRowWords = S * BITS / 32;         // words of one row of a tile
   constexpr uint32_t kMask = (1u << BITS) - 1u;
-  using D = Dtype<T>;
+  using D = Dtype<kBF16>;
   const int c0 = (blockIdx.x * kThreads + threadIdx.x) * 8;
   if (c0 >= a.k) return;
   const int t16 = (c0 & 127) >> 4, h = (c0 >> 3) & 1;
@@ -129,9 +113,9 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
   for (int row = blockIdx.y; row < a.m; row += gridDim.y) {
     const int64_t base = ((static_cast<int64_t>(row >> 6) * stages + c0 / S) * 64 + (row & 63)) * kRowWords + in_row;
     const uint32_t words[2] = {a.qweight[base], a.qweight[base + BITS]};
-    const typename D::Pair sz =
-        reinterpret_cast<const typename D::Pair*>(a.scale_zero)[static_cast<int64_t>(row) * a.groups + (c0 >> a.group_shift)];
-    const float scale = D::to_float(sz.x), zero = D::to_float(sz.y);
+    const uint32_t sz =  // {scale, zero}
+        reinterpret_cast<const uint32_t*>(a.scale_zero)[static_cast<int64_t>(row) * a.groups + (c0 >> a.group_shift)];
+    const float scale = D::to_float(static_cast<uint16_t>(sz & 0xffffu)), zero = D::to_float(static_cast<uint16_t>(sz >> 16));
     uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int l = 0; l < 2; ++l)
@@ -139,8 +123,8 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
       for (int slot = 0; slot < 4; ++slot) {
         const int p = sbase + slot / 2 + (slot & 1) * H;  // pair s = sbase + slot / 2, half e = slot % 2
         const uint32_t q = (words[l] >> (BITS * p)) & kMask;
-        const T w = D::from_float(__fmul_rn(__fsub_rn(static_cast<float>(q), zero), scale));
-        packed[2 * l + slot / 2] |= static_cast<uint32_t>(D::bits(w)) << (16 * (slot & 1));
+        const uint16_t w = D::from_float(__fmul_rn(__fsub_rn(static_cast<float>(q), zero), scale));
+        packed[2 * l + slot / 2] |= static_cast<uint32_t>(w) << (16 * (slot & 1));
       }
     uint16_t* dst = static_cast<uint16_t*>(a.out) + static_cast<int64_t>(row) * a.k + c0;
     if ((a.k & 7) == 0) {  // 16-byte aligned rows (the output is a fresh allocation)
@@ -153,14 +137,14 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
   }
 }
 
-template <typename T>
+template <bool kBF16>
 cudaError_t launch_lowbit(const LowbitToDenseArgs& a, cudaStream_t stream) {
   const dim3 grid((a.k + 8 * kThreads - 1) / (8 * kThreads), std::min(a.m, kMaxGridY));
   switch (a.bits) {
-    case 1: lowbit_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a); break;
-    case 2: lowbit_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a); break;
-    case 4: lowbit_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a); break;
-    case 8: lowbit_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a); break;
+    case 1: lowbit_kernel<kBF16, 1><<<grid, kThreads, 0, stream>>>(a); break;
+    case 2: lowbit_kernel<kBF16, 2><<<grid, kThreads, 0, stream>>>(a); break;
+    case 4: lowbit_kernel<kBF16, 4><<<grid, kThreads, 0, stream>>>(a); break;
+    case 8: lowbit_kernel<kBF16, 8><<<grid, kThreads, 0, stream>>>(a); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -177,7 +161,7 @@ cudaError_t tca_bme_to_dense(const TcaBmeToDenseArgs& a, cudaStream_t stream) {
 
 cudaError_t lowbit_to_dense(const LowbitToDenseArgs& a, cudaStream_t stream) {
   if (a.m < 1 || a.k < 1) return cudaSuccess;
-  return a.bf16 ? to_dense::launch_lowbit<__nv_bfloat16>(a, stream) : to_dense::launch_lowbit<__half>(a, stream);
+  return a.bf16 ? to_dense::launch_lowbit<true>(a, stream) : to_dense::launch_lowbit<false>(a, stream);
 }
 
 }  // namespace spinfer

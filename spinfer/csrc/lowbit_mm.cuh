@@ -164,19 +164,28 @@ struct Num<true> : Packed<true> {
 // Values s and s + V/2 of a packed word as an exact half2/bfloat162 of q - zi, zi an integer
 // zero point: one LOP3 (the magic-number conversion: 0x6400 | q is 1024 + q in fp16, 0x4300 | q
 // is 128 + q in bf16) and one HSUB2 of zc = magic + zi (both exact, so the difference is).
-// fp16 4-bit saves the shifts of odd pairs: masking the nibble in place gives 1024 + 16q (still
-// inside the 10-bit mantissa), and one HFMA2 by 1/16 minus zc16 = 64 + zi gives q - zi exactly,
-// so a word costs one shift (for pairs 2, 3) instead of three. Feeding 1024 + q to the tensor
-// cores and correcting per segment would save the HSUB2, but measured on H100 it loses ~3 digits
-// to the accumulation of the large offset (1-bit rows failed the 2e-3 bound) and did not change
-// the kernel's speed.
+// Odd pairs skip their shift where the dtype allows (kInPlace): masking the value in place, one
+// width up, gives magic + 2^BITS q, still an exact integer inside the mantissa (fp16 at 1, 2 and
+// 4 bits: 1024 + 16q <= 1264 < 2048; bf16 at 1 and 2 bits: 128 + 4q <= 140 < 256), and one
+// HFMA2 by 2^-BITS plus zo = -(magic 2^-BITS + zi) gives q - zi exactly (one rounding of an exact
+// result). A word then costs one shift per two pairs instead of one per pair: at 2 and 1 bits
+// (8 and 16 pairs a word) that is 3 and 7 shifts instead of 7 and 15. Feeding 1024 + q to the
+// tensor cores and correcting per segment would save the HSUB2, but measured on H100 it loses ~3
+// digits to the accumulation of the large offset (1-bit rows failed the 2e-3 bound) and did not
+// change the kernel's speed.
 template <bool kBF16, int BITS>
-__device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t zc, uint32_t zc16) {
+constexpr bool kInPlace = BITS <= 2 || (!kBF16 && BITS == 4);
+
+template <bool kBF16, int BITS>
+__device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t zc, uint32_t zo) {
   constexpr uint32_t kMask = ((1u << BITS) - 1u) * 0x00010001u;
-  if constexpr (!kBF16 && BITS == 4) {
-    const uint32_t base = (s & 2) ? word >> 8 : word;
-    if (s & 1) return Num<false>::fma(ptx::and_or(base, kMask << 4, Num<false>::kMagic), 0x2c002c00u /* 1/16 */, zc16);
-    return Num<false>::sub(ptx::and_or(base, kMask, Num<false>::kMagic), zc);
+  if constexpr (kInPlace<kBF16, BITS>) {
+    // 2^-BITS in both halves: fp16 0x3800 / 0x3400 / 0x2c00, bf16 0x3f00 / 0x3e80
+    constexpr uint32_t kScale = kBF16 ? (BITS == 1 ? 0x3f003f00u : 0x3e803e80u)
+                                      : (BITS == 1 ? 0x38003800u : BITS == 2 ? 0x34003400u : 0x2c002c00u);
+    const uint32_t base = word >> (BITS * (s & ~1));
+    if (s & 1) return Num<kBF16>::fma(ptx::and_or(base, kMask << BITS, Num<kBF16>::kMagic), kScale, zo);
+    return Num<kBF16>::sub(ptx::and_or(base, kMask, Num<kBF16>::kMagic), zc);
   } else if constexpr (kBF16 && BITS == 8) {
     // bf16 holds 128 + q exactly only for q < 128: convert the low 7 bits that way and add
     // bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16. zi is always 0 here (q - zi
@@ -189,6 +198,11 @@ __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t z
     return Num<kBF16>::sub(ptx::and_or(word >> (BITS * s), kMask, Num<kBF16>::kMagic), zc);
   }
 }
+
+// The odd pairs' addend zo = -(magic 2^-BITS + zi) = magic (1 - 2^-BITS) - zc, as one half of
+// the dtype: fp16 1024 (1 - 2^-BITS) = 512 / 768 / 960 at 1 / 2 / 4 bits, bf16 64 / 96.
+template <bool kBF16, int BITS>
+constexpr float kOddBias = Num<kBF16>::kMagicValue - Num<kBF16>::kMagicValue / (1 << BITS);
 
 // The integer part zi of a zero point that the A fragments subtract exactly (see unpack_pair):
 // |q - zi| and magic + zi must be exact integers in the weight dtype. The rest, z - zi (0 for
@@ -412,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     for (int jj = 0; jj < kSegs; ++jj) {
       const int j = kSplitTiles == 2 ? group * (NG / 2) + jj : jj;  // the chunk's segment
       float sc[2];
-      uint32_t sz[2], zc[2], zc16[2] = {0u, 0u};  // zc16: fp16 4-bit only
+      uint32_t sz[2], zc[2], zo[2] = {0u, 0u};  // zo: the odd pairs' addend (kInPlace only)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         sz[h] = *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
@@ -436,10 +450,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
-      if constexpr (!kBF16 && BITS == 4) {  // the odd pairs' addend, -64 - z = 960 - (1024 + z)
-        const uint32_t zc16x2 = Num<kBF16>::sub(0x63806380u /* half2(960, 960) */, zc2);
+      if constexpr (kInPlace<kBF16, BITS>) {  // zo = kOddBias - zc, e.g. fp16 4-bit -64 - z = 960 - (1024 + z)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) zc16[h] = ptx::prmt(zc16x2, zc16x2, h ? 0x3232 : 0x1010);
+        for (int h = 0; h < 2; ++h) zo[h] = Num<kBF16>::sub(Num<kBF16>::splat(kOddBias<kBF16, BITS>), zc[h]);
       }
       float part[BN / 8][4];
 #pragma unroll
@@ -456,8 +469,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
           uint32_t a[4];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0, zc[h], zc16[h]);
-            a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1, zc[h], zc16[h]);
+            a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0, zc[h], zo[h]);
+            a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1, zc[h], zo[h]);
           }
           uint32_t b[BN / 8][2];
 #pragma unroll
@@ -489,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
           const float zi = integer_zero<kBF16, BITS>(z);
           zf[h] = z - zi;
           zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
-          zc16[h] = Num<kBF16>::splat(-64.f - zi);                  // fp16 4-bit only
+          zo[h] = Num<kBF16>::splat(kOddBias<kBF16, BITS> - Num<kBF16>::kMagicValue - zi);  // kInPlace only
         }
 #pragma unroll
         for (int p = 0; p < kXTiles; ++p)

@@ -176,6 +176,57 @@ def test_lowbit_summary_covers_only_the_issue_shapes(capsys):
     assert "4-bit g128  N=1    geomean  2.00x  (min 2.00x" in out
 
 
+def test_steady_time_measures_a_suspect_cell_again():
+    """A time above its bound is measured again (the least kept); if every try stays above, the
+    cell is marked suspect. Without a bound, one measurement."""
+    from spinfer.bench import steady_time
+
+    def measure(values):
+        it = iter(values)
+        calls = []
+        return (lambda: calls.append(1) or next(it)), calls
+
+    fn, calls = measure([400e-6, 45e-6, 44e-6])
+    assert steady_time(fn, bound=88e-6) == (45e-6, False) and len(calls) == 2
+    fn, calls = measure([400e-6, 390e-6, 410e-6, 1.0])
+    assert steady_time(fn, bound=88e-6) == (390e-6, True) and len(calls) == 3
+    fn, calls = measure([80e-6, 1.0])
+    assert steady_time(fn, bound=88e-6) == (80e-6, False) and len(calls) == 1  # within the bound: kept
+    fn, calls = measure([400e-6, 1.0])
+    assert steady_time(fn) == (400e-6, False) and len(calls) == 1
+    fn, calls = measure([400e-6, 45e-6, 1.0])
+    assert steady_time(fn, tries=2) == (45e-6, False) and len(calls) == 2
+
+
+def test_summaries_leave_out_suspect_cells(capsys):
+    """A row whose timing stayed suspect (cuBLAS or the op) is neither in a geomean nor behind a verdict: the
+    low-bit summary says the line is over fewer shapes and not judged, the SpMM one names it."""
+    from spinfer.bench import lowbit, spmm
+
+    def lrow(m, k, speedup, suspect=False):
+        return {"M": m, "K": k, "N": 8, "bits": 8, "group": 128, "speedup": speedup, "pct_copy": 50.0,
+                "int4_speedup": None, "timing_suspect": suspect}
+
+    rows = [lrow(m, k, 1.5) for m, k in lowbit.SHAPES[:-1]] + [lrow(*lowbit.SHAPES[-1], 13.4, True)]
+    lowbit.print_summary(rows)
+    out = capsys.readouterr().out
+    m, k = lowbit.SHAPES[-1]
+    assert "8-bit g128  N=8    geomean  1.50x" in out and "met" not in out
+    assert f"over 3 of 4 shapes (timing suspect on {m}x{k}): not judged" in out
+
+    def srow(m, k, n, speedup, suspect=False):
+        return {"M": m, "K": k, "N": n, "sparsity": 0.5, "speedup": speedup, "pct_copy": 60.0,
+                "timing_suspect": suspect}
+
+    rows = [srow(m, k, n, 1.2) for m, k in spmm.QUICK_SHAPES for n in (1, 8)]
+    rows[-1] = srow(*spmm.QUICK_SHAPES[-1], 8, 9.0, True)
+    spmm.print_summary(rows)
+    out = capsys.readouterr().out
+    m, k = spmm.QUICK_SHAPES[-1]
+    assert f"left out, timing suspect: {m}x{k} N=8" in out
+    assert "geomean 1.20x cuBLAS, min 1.20x, max 1.20x" in out and "(7 cases)" in out
+
+
 def test_e2e_fused_layer_equals_the_unfused_one():
     """The fused decoder layer (one qkv and one gate_up projection) computes what the unfused one
     does when its weights are the concatenations, over several decode steps of the KV cache."""

@@ -34,6 +34,31 @@ def require_cuda(bench: str) -> bool:
     return False
 
 
+# Twice in this project's sweeps one cuBLAS median came out ~10x its neighbours' (447 and 400 µs
+# against ~45), and one such cell alone turned a missed geomean target into a met one; a
+# low-bit median once did the same (242 µs against ~19). Below ~64 tokens both kinds of call
+# stream the weight, so a cell can be held against its neighbours: cuBLAS's time for one weight
+# barely moves with N (H100: 44-46 µs for every N <= 32 on 14336x4096), and the kernels' times
+# grow by less than 2x from one benchmarked N to the next.
+STEADY_MAX_N = 64
+CUBLAS_SUSPECT = 2.0  # x the weight's cuBLAS time at N = 1
+OP_SUSPECT = 3.0      # x the op's time at the previous, smaller N
+
+
+def steady_time(measure, bound=None, retries=2, tries=1):
+    """The least of ``tries`` calls of ``measure()`` (seconds), measured again up to ``retries``
+    times while it exceeds ``bound`` (None: no bound). Returns ``(seconds, suspect)``: suspect
+    when every measurement stayed above; the benchmarks print such rows with a warning and leave
+    them out of the targets' geomeans. A row's first N has no previous time to be held against,
+    so the benchmarks take the least of two there."""
+    t = min(measure() for _ in range(tries))
+    for _ in range(retries if bound else 0):
+        if t <= bound:
+            break
+        t = min(t, measure())
+    return t, bool(bound) and t > bound
+
+
 def write_rows(rows, path) -> None:
     """The benchmark rows (dicts with the same keys) as a CSV file."""
     with open(path, "w", newline="") as f:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import spinfer
-from spinfer.bench import parse_shapes, require_cuda, write_rows
+from spinfer.bench import CUBLAS_SUSPECT, OP_SUSPECT, STEADY_MAX_N, parse_shapes, require_cuda, steady_time, write_rows
 from spinfer import tuning
 from spinfer.format import TCABME
 from spinfer.timing import copy_bandwidth, median_time
@@ -36,8 +36,12 @@ def print_summary(rows) -> None:
     print("\nsummary over (M, K) in " + ", ".join(f"{m}x{k}" for m, k in QUICK_SHAPES) + ", N in {1, 8, 16, 32}:")
     for s in sorted({r["sparsity"] for r in rows}):
         sel = [r for r in rows if r["sparsity"] == s and (r["M"], r["K"]) in issue_shapes and r["N"] in (1, 8, 16, 32)]
+        suspect = [f"{r['M']}x{r['K']} N={r['N']}" for r in sel if r.get("timing_suspect")]
+        sel = [r for r in sel if not r.get("timing_suspect")]
         if not sel:
             continue
+        if suspect:
+            print(f"  sparsity {s:.1f}: left out, timing suspect: {', '.join(suspect)}")
         sp = [r["speedup"] for r in sel]
         gm = math.exp(sum(math.log(v) for v in sp) / len(sp))
         bw = [r["pct_copy"] for r in sel if r["N"] <= 16]
@@ -82,6 +86,8 @@ def main(argv=None) -> int:
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
         dense = torch.randn(m, k, device=dev, generator=gen).to(dt)
+        x1 = torch.randn(1, k, device=dev).to(dt)  # cuBLAS's flat-region time for this shape
+        flat = min(median_time(lambda: F.linear(x1, dense), dev, reps=a.reps) for _ in range(2))
         for s in sps:
             w = dense.masked_fill(torch.rand(m, k, device=dev, generator=gen) < s, 0.0)
             enc = TCABME.from_dense(w)
@@ -90,21 +96,34 @@ def main(argv=None) -> int:
             # explicit, so a tuned table in the user's cache never leaks into planner figures.
             chosen = {n: r["splits"] for n, r in tuning.tune_spmm(enc, ns, save=False).items()} if a.tuned \
                 else dict.fromkeys(ns, 0)
+            prev = None  # (N, op seconds) of the previous row
             for n in ns:
                 x = torch.randn(n, k, device=dev, generator=gen).to(dt)
                 y = spinfer.spmm(x, enc, splits=chosen[n])
                 ref = F.linear(x, w)
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
-                t_dense = median_time(lambda: F.linear(x, w), dev, reps=a.reps)
-                t_sp = median_time(lambda: spinfer.spmm(x, enc, splits=chosen[n]), dev, reps=a.reps)
+                steady = n <= STEADY_MAX_N  # see spinfer.bench.steady_time
+                t_dense, suspect = steady_time(lambda: median_time(lambda: F.linear(x, w), dev, reps=a.reps),
+                                               CUBLAS_SUSPECT * flat if steady else None)
+                t_sp, op_suspect = steady_time(
+                    lambda: median_time(lambda: spinfer.spmm(x, enc, splits=chosen[n]), dev, reps=a.reps),
+                    OP_SUSPECT * prev[1] if steady and prev and prev[0] < n else None, tries=1 if prev else 2)
+                prev = (n, t_sp)
                 moved = wbytes + 2 * n * k + 2 * n * m
                 r = dict(M=m, K=k, N=n, sparsity=s, cublas_us=t_dense * 1e6, spmm_us=t_sp * 1e6,
                          speedup=t_dense / t_sp, gbps=moved / t_sp / 1e9, pct_copy=100 * moved / t_sp / bw,
-                         cr=enc.compression_ratio, rel_err_vs_cublas=err, splits=chosen[n], device=name)
+                         cr=enc.compression_ratio, rel_err_vs_cublas=err, splits=chosen[n],
+                         timing_suspect=suspect or op_suspect, device=name)
                 rows.append(r)
                 print(f"{m:>6} {k:>6} {n:>4} {s:>8.1f} {r['cublas_us']:>10.1f} {r['spmm_us']:>9.1f} "
                       f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f} "
                       f"{chosen[n] or 'plan':>6}", flush=True)
+                if suspect:
+                    print(f"  WARNING: cuBLAS took {r['cublas_us']:.1f} us here against {flat * 1e6:.1f} at N = 1, "
+                          "measured three times: left out of the summary", flush=True)
+                if op_suspect:
+                    print(f"  WARNING: spmm took {t_sp * 1e6:.1f} us here, over {OP_SUSPECT:.0f}x its time at the "
+                          "previous N, measured three times: left out of the summary", flush=True)
                 if err > 1e-2:  # a fast wrong answer is not a result: say so on the row
                     print(f"  WARNING: spmm differs from cuBLAS by {err:.2e} (relative) on this case", flush=True)
     print_summary(rows)

@@ -198,6 +198,29 @@ def test_steady_time_measures_a_suspect_cell_again():
     assert steady_time(fn, tries=2) == (45e-6, False) and len(calls) == 2
 
 
+def test_time_against_cublas_flags_a_slow_op_and_measures_it_three_times():
+    """On the CPU clock: an op far above 3x its previous-N time is measured three times and
+    comes back with a warning naming it; cuBLAS within its bound, and rows past N = 64, are
+    measured once and carry none."""
+    import time
+
+    from spinfer.bench import time_against_cublas
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.002)
+
+    cpu = torch.device("cpu")
+    t_ref, t_op, warnings = time_against_cublas(lambda: None, slow, cpu, 3, 8, 1.0, (1, 1e-5), "the op")
+    assert t_op >= 0.002 and t_ref < 1.0 and len(calls) == 3 * (5 + 3)  # warm-up 5 + reps 3, three times
+    assert len(warnings) == 1 and warnings[0].startswith("the op took") and "previous N" in warnings[0]
+    calls.clear()
+    assert time_against_cublas(lambda: None, slow, cpu, 3, 128, 1.0, (64, 1e-5), "the op")[2] == []
+    assert len(calls) == 5 + 3
+
+
 def test_summaries_leave_out_suspect_cells(capsys):
     """A row whose timing stayed suspect (cuBLAS or the op) is neither in a geomean nor behind a verdict: the
     low-bit summary says the line is over fewer shapes and not judged, the SpMM one names it."""

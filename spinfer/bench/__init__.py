@@ -59,6 +59,42 @@ def steady_time(measure, bound=None, retries=2, tries=1):
     return t, bool(bound) and t > bound
 
 
+def cublas_flat_time(weight, device, reps):
+    """cuBLAS's time (seconds) for ``weight`` at N = 1, the least of two medians: the reference
+    that time_against_cublas holds a row's cuBLAS time against."""
+    import torch
+    import torch.nn.functional as F
+
+    from spinfer.timing import median_time
+
+    x1 = torch.randn(1, weight.shape[1], device=device, dtype=weight.dtype)
+    return min(median_time(lambda: F.linear(x1, weight), device, reps=reps) for _ in range(2))
+
+
+def time_against_cublas(cublas, op, device, reps, n, flat, prev, name):
+    """The medians (seconds) of one benchmark row's cuBLAS call and op call at N = ``n``, each
+    measured again where it looks disturbed (steady_time): cuBLAS against 2x ``flat`` (the
+    weight's time at N = 1), the op against 3x its time at the previous, smaller N (``prev``, an
+    (N, seconds) pair or None). Returns ``(t_cublas, t_op, warnings)``; a row with warnings is
+    printed with them and left out of the summaries."""
+    from spinfer.timing import median_time
+
+    steady = n <= STEADY_MAX_N
+    t_ref, ref_bad = steady_time(lambda: median_time(cublas, device, reps=reps),
+                                 CUBLAS_SUSPECT * flat if steady else None)
+    t_op, op_bad = steady_time(lambda: median_time(op, device, reps=reps),
+                               OP_SUSPECT * prev[1] if steady and prev and prev[0] < n else None,
+                               tries=1 if prev else 2)
+    warnings = []
+    if ref_bad:
+        warnings.append(f"cuBLAS took {t_ref * 1e6:.1f} us here against {flat * 1e6:.1f} at N = 1, "
+                        "measured three times: left out of the summary")
+    if op_bad:
+        warnings.append(f"{name} took {t_op * 1e6:.1f} us here, over {OP_SUSPECT:.0f}x its time at the previous N, "
+                        "measured three times: left out of the summary")
+    return t_ref, t_op, warnings
+
+
 def write_rows(rows, path) -> None:
     """The benchmark rows (dicts with the same keys) as a CSV file."""
     with open(path, "w", newline="") as f:

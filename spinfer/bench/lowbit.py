@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 import spinfer
 from spinfer import tuning
-from spinfer.bench import (CUBLAS_SUSPECT, OP_SUSPECT, STEADY_MAX_N, parse_quants, parse_shapes, require_cuda,
-                           steady_time, write_rows)
+from spinfer.bench import (cublas_flat_time, parse_quants, parse_shapes, require_cuda, time_against_cublas,
+                           write_rows)
 from spinfer.ops.lowbit_mm import FUSED_MAX_N, fused_max_n
 from spinfer.quant import LowBitWeight
 from spinfer.timing import copy_bandwidth, median_time
@@ -119,8 +119,7 @@ def main(argv=None) -> int:
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
         dense = torch.randn(m, k, device=dev, generator=gen).half()
-        x1 = torch.randn(1, k, device=dev).half()  # cuBLAS's flat-region time for this weight
-        flat = min(median_time(lambda: F.linear(x1, dense), dev, reps=a.reps) for _ in range(2))
+        flat = cublas_flat_time(dense, dev, a.reps)  # held against this weight's rows (time_against_cublas)
         for bits, group in configs:
             q = LowBitWeight.quantize(dense, bits, group)
             wq = q.dequantize()
@@ -137,12 +136,9 @@ def main(argv=None) -> int:
                 y = spinfer.lowbit_mm(x, q, splits=chosen[n])
                 ref = F.linear(x, wq)
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
-                steady = n <= STEADY_MAX_N  # see spinfer.bench.steady_time
-                t_dense, suspect = steady_time(lambda: median_time(lambda: F.linear(x, dense), dev, reps=a.reps),
-                                               CUBLAS_SUSPECT * flat if steady else None)
-                t_q, op_suspect = steady_time(
-                    lambda: median_time(lambda: spinfer.lowbit_mm(x, q, splits=chosen[n]), dev, reps=a.reps),
-                    OP_SUSPECT * prev[1] if steady and prev and prev[0] < n else None, tries=1 if prev else 2)
+                t_dense, t_q, suspects = time_against_cublas(
+                    lambda: F.linear(x, dense), lambda: spinfer.lowbit_mm(x, q, splits=chosen[n]), dev, a.reps, n, flat,
+                    prev, "lowbit_mm")
                 prev = (n, t_q)
                 out = torch.empty(n, m, device=dev, dtype=x.dtype)
                 t_f = t_q if n <= fused_max_n(bits) else median_time(lambda: spinfer.lowbit_mm(x, q, out=out, splits=0), dev,
@@ -157,18 +153,14 @@ def main(argv=None) -> int:
                          speedup=t_dense / t_q, gbps=moved / t_q / 1e9, pct_copy=100 * moved / t_q / bw,
                          int4_us=None if t_i4 is None else t_i4 * 1e6,
                          int4_speedup=None if t_i4 is None else t_dense / t_i4, rel_err_vs_dequant=err,
-                         splits=chosen[n], timing_suspect=suspect or op_suspect, device=name)
+                         splits=chosen[n], timing_suspect=bool(suspects), device=name)
                 rows.append(r)
                 i4 = f"{r['int4_us']:>8.1f} {r['int4_speedup']:>8.2f}" if t_i4 else f"{'-':>8} {'-':>8}"
                 print(f"{m:>6} {k:>6} {n:>4} {bits:>4} {group:>5} {r['cublas_us']:>10.1f} {r['lowbit_us']:>9.1f} "
                       f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {i4} {r['fused_us']:>8.1f} "
                       f"{chosen[n] or 'plan':>6}", flush=True)
-                if suspect:
-                    print(f"  WARNING: cuBLAS took {r['cublas_us']:.1f} us here against {flat * 1e6:.1f} at N = 1, "
-                          "measured three times: left out of the summary", flush=True)
-                if op_suspect:
-                    print(f"  WARNING: lowbit_mm took {t_q * 1e6:.1f} us here, over {OP_SUSPECT:.0f}x its time at the "
-                          "previous N, measured three times: left out of the summary", flush=True)
+                for warning in suspects:
+                    print(f"  WARNING: {warning}", flush=True)
                 if err > 2e-3:  # a fast wrong answer is not a result: say so on the row
                     print(f"  WARNING: lowbit_mm differs from the dequantized reference by {err:.2e}", flush=True)
     print_summary(rows)

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 import spinfer
-from spinfer.bench import CUBLAS_SUSPECT, OP_SUSPECT, STEADY_MAX_N, parse_shapes, require_cuda, steady_time, write_rows
+from spinfer.bench import cublas_flat_time, parse_shapes, require_cuda, time_against_cublas, write_rows
 from spinfer import tuning
 from spinfer.format import TCABME
-from spinfer.timing import copy_bandwidth, median_time
+from spinfer.timing import copy_bandwidth
 
 SHAPES = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (12288, 4096)]
 NS = [1, 8, 16, 32, 64, 128, 256]
@@ -86,8 +86,7 @@ def main(argv=None) -> int:
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
         dense = torch.randn(m, k, device=dev, generator=gen).to(dt)
-        x1 = torch.randn(1, k, device=dev).to(dt)  # cuBLAS's flat-region time for this shape
-        flat = min(median_time(lambda: F.linear(x1, dense), dev, reps=a.reps) for _ in range(2))
+        flat = cublas_flat_time(dense, dev, a.reps)  # held against this weight's rows (time_against_cublas)
         for s in sps:
             w = dense.masked_fill(torch.rand(m, k, device=dev, generator=gen) < s, 0.0)
             enc = TCABME.from_dense(w)
@@ -102,28 +101,21 @@ def main(argv=None) -> int:
                 y = spinfer.spmm(x, enc, splits=chosen[n])
                 ref = F.linear(x, w)
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
-                steady = n <= STEADY_MAX_N  # see spinfer.bench.steady_time
-                t_dense, suspect = steady_time(lambda: median_time(lambda: F.linear(x, w), dev, reps=a.reps),
-                                               CUBLAS_SUSPECT * flat if steady else None)
-                t_sp, op_suspect = steady_time(
-                    lambda: median_time(lambda: spinfer.spmm(x, enc, splits=chosen[n]), dev, reps=a.reps),
-                    OP_SUSPECT * prev[1] if steady and prev and prev[0] < n else None, tries=1 if prev else 2)
+                t_dense, t_sp, suspects = time_against_cublas(
+                    lambda: F.linear(x, w), lambda: spinfer.spmm(x, enc, splits=chosen[n]), dev, a.reps, n, flat, prev,
+                    "spmm")
                 prev = (n, t_sp)
                 moved = wbytes + 2 * n * k + 2 * n * m
                 r = dict(M=m, K=k, N=n, sparsity=s, cublas_us=t_dense * 1e6, spmm_us=t_sp * 1e6,
                          speedup=t_dense / t_sp, gbps=moved / t_sp / 1e9, pct_copy=100 * moved / t_sp / bw,
                          cr=enc.compression_ratio, rel_err_vs_cublas=err, splits=chosen[n],
-                         timing_suspect=suspect or op_suspect, device=name)
+                         timing_suspect=bool(suspects), device=name)
                 rows.append(r)
                 print(f"{m:>6} {k:>6} {n:>4} {s:>8.1f} {r['cublas_us']:>10.1f} {r['spmm_us']:>9.1f} "
                       f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f} "
                       f"{chosen[n] or 'plan':>6}", flush=True)
-                if suspect:
-                    print(f"  WARNING: cuBLAS took {r['cublas_us']:.1f} us here against {flat * 1e6:.1f} at N = 1, "
-                          "measured three times: left out of the summary", flush=True)
-                if op_suspect:
-                    print(f"  WARNING: spmm took {t_sp * 1e6:.1f} us here, over {OP_SUSPECT:.0f}x its time at the "
-                          "previous N, measured three times: left out of the summary", flush=True)
+                for warning in suspects:
+                    print(f"  WARNING: {warning}", flush=True)
                 if err > 1e-2:  # a fast wrong answer is not a result: say so on the row
                     print(f"  WARNING: spmm differs from cuBLAS by {err:.2e} (relative) on this case", flush=True)
     print_summary(rows)

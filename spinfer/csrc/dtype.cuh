@@ -23,7 +23,9 @@ template <>
 struct Dtype<true> {
   using Pair = __nv_bfloat162;
   static __device__ __forceinline__ float to_float(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
-  static __device__ __forceinline__ uint16_t from_float(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+  static __device__ __forceinline__ uint16_t from_float(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
 };
 
 // Arithmetic on pairs held in 32-bit registers; cuda_fp16.h and cuda_bf16.h overload every

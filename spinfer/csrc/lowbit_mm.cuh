@@ -180,11 +180,10 @@ template <bool kBF16, int BITS>
 __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t zc, uint32_t zo) {
   constexpr uint32_t kMask = ((1u << BITS) - 1u) * 0x00010001u;
   if constexpr (kInPlace<kBF16, BITS>) {
-    // 2^-BITS in both halves: fp16 0x3800 / 0x3400 / 0x2c00, bf16 0x3f00 / 0x3e80
-    constexpr uint32_t kScale = kBF16 ? (BITS == 1 ? 0x3f003f00u : 0x3e803e80u)
-                                      : (BITS == 1 ? 0x38003800u : BITS == 2 ? 0x34003400u : 0x2c002c00u);
     const uint32_t base = word >> (BITS * (s & ~1));
-    if (s & 1) return Num<kBF16>::fma(ptx::and_or(base, kMask << BITS, Num<kBF16>::kMagic), kScale, zo);
+    if (s & 1)  // 2^-BITS is exact in both dtypes; the constant folds to an immediate
+      return Num<kBF16>::fma(ptx::and_or(base, kMask << BITS, Num<kBF16>::kMagic), Num<kBF16>::splat(1.f / (1 << BITS)),
+                             zo);
     return Num<kBF16>::sub(ptx::and_or(base, kMask, Num<kBF16>::kMagic), zc);
   } else if constexpr (kBF16 && BITS == 8) {
     // bf16 holds 128 + q exactly only for q < 128: convert the low 7 bits that way and add
@@ -445,7 +444,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
         zc2 = Num<kBF16>::kMagic;
         exact = Num<kBF16>::equal(zz, 0u);
       } else {
-        zc2 = Num<kBF16>::add(Num<kBF16>::clamp(zz, Num<kBF16>::splat(Num<kBF16>::kZeroLo), Num<kBF16>::splat(Num<kBF16>::kZeroHi)), Num<kBF16>::kMagic);
+        using N = Num<kBF16>;
+        zc2 = N::add(N::clamp(zz, N::splat(N::kZeroLo), N::splat(N::kZeroHi)), N::kMagic);
         exact = Num<kBF16>::equal(Num<kBF16>::sub(zc2, Num<kBF16>::kMagic), zz);
       }
 #pragma unroll

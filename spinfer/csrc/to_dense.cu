@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
     const uint32_t words[2] = {a.qweight[base], a.qweight[base + BITS]};
     const uint32_t sz =  // {scale, zero}
         reinterpret_cast<const uint32_t*>(a.scale_zero)[static_cast<int64_t>(row) * a.groups + (c0 >> a.group_shift)];
-    const float scale = D::to_float(static_cast<uint16_t>(sz & 0xffffu)), zero = D::to_float(static_cast<uint16_t>(sz >> 16));
+    const float scale = D::to_float(static_cast<uint16_t>(sz & 0xffffu));
+    const float zero = D::to_float(static_cast<uint16_t>(sz >> 16));
     uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int l = 0; l < 2; ++l)

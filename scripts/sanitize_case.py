@@ -2,8 +2,8 @@
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
 variants, the three register budgets, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
-width, both zero-point paths, the balanced schedule (splits -1: ranges across row blocks), and
-split tail rows; the weight-to-dense kernels on odd shapes, with corrupt TCA-BME offsets."""
+width, both zero-point paths, the balanced schedule (splits -1: ranges across row blocks), row
+pairs, and split tail rows; the weight-to-dense kernels on odd shapes, with corrupt TCA-BME offsets."""
 
 import os
 
@@ -45,6 +45,16 @@ for bits in (1, 2, 4, 8):
             x = torch.randn(n, k, device="cuda").to(dt)
             out = torch.empty(n, m, device="cuda", dtype=dt)
             spinfer.lowbit_mm(x, q, torch.randn(m, device="cuda").to(dt), out=out)
+# row pairs (128-row blocks): a last pair without its second row block (M = 4097, 70), split and not
+os.environ["SPINFER_LOWBIT_PAIRS"] = "1"
+for bits in (1, 2, 4, 8):
+    for m, k, group, n, splits in [(4097, 512, 128, 16, "1"), (200, 1280, 32, 33, "2"), (70, 1000, None, 8, "1")]:
+        os.environ["SPINFER_LOWBIT_SPLITS"] = splits
+        os.environ["SPINFER_LOWBIT_XSUM"] = "1" if n % 2 else "0"
+        for dt in (torch.float16, torch.bfloat16):
+            q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
+            spinfer.lowbit_mm(torch.randn(n, k, device="cuda").to(dt), q, torch.randn(m, device="cuda").to(dt))
+os.environ.pop("SPINFER_LOWBIT_PAIRS")
 # split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
 os.environ.pop("SPINFER_LOWBIT_SPLITS")
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"

@@ -108,6 +108,33 @@ def test_forced_token_tile_with_split_k_and_bias(bn, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", BITS)
+def test_row_pairs(bits, dtype, monkeypatch):
+    """Row pairs (SPINFER_LOWBIT_PAIRS=1): a block of 128 rows, two 64-row blocks sharing each
+    activation slice. M = 4097 gives 65 row blocks, so the last pair has no second block (its
+    copies read the first block again and its rows are never stored) and ends one row into it;
+    M = 200 has four blocks, the last partial. Every token tile, unsplit and split (the split-K
+    partial tiles are 128 rows), with bias, both zero-point paths (SPINFER_LOWBIT_XSUM), group
+    sizes that split a chunk (32) or not (128), every element written; the planner's query
+    reports the 128-row tiles."""
+    monkeypatch.setenv("SPINFER_LOWBIT_PAIRS", "1")
+    for m, k, group in ((4097, 1792, 128), (200, 1280, 32)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
+        b = torch.randn(m, device="cuda").to(dtype)
+        for splits, xsum in (("1", "0"), ("3", "1"), ("0", "0")):
+            monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
+            monkeypatch.setenv("SPINFER_LOWBIT_XSUM", xsum)
+            for n in (1, 8, 13, 32, 40):
+                plan = lowbit_plan(q, n, dtype=dtype)
+                assert plan["tile_rows"] == 128 and plan["row_blocks"] == -(-m // 128), plan
+                x = torch.randn(n, k, device="cuda").to(dtype)
+                err = rel_err(fused(x, q, b), reference(x, q, b))
+                assert err <= TOL[dtype], f"M={m} splits={splits} xsum={xsum} N={n}: {err:.2e}"
+    monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", "-1")  # the balanced schedule has no row pairs
+    assert lowbit_plan(q, 16, dtype=dtype)["tile_rows"] == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
 def test_balanced_schedule_ranges_across_row_blocks(bits, dtype, monkeypatch):
     """The balanced schedule (SMs x 2 blocks, each an equal run of the layer's (row block,
     stage) units, lowbit_mm.cuh Schedule): ranges start and end inside row blocks and cross
@@ -138,7 +165,9 @@ def test_split_tail_rows(bits, monkeypatch):
     18 at 8 bits); forced (SPINFER_LOWBIT_TAIL) 2 ways, leaving a short last split, and 4 ways,
     more tail blocks than SMs; 0 turns it off. N = 1, 7 and 16 (token tiles of 8 and 16), bias,
     every element written, deterministic. The planner's query (lowbit_plan) shows the grid that
-    ran: the rule's split count, no more than half the stages a split, and no empty split."""
+    ran: the rule's split count, no more than half the stages a split, and no empty split. Row
+    pairs off: their 128-row tiles are a different count (test_row_pairs)."""
+    monkeypatch.setenv("SPINFER_LOWBIT_PAIRS", "0")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m, k = 64 * (sms + sms // 4) + 13, 2304
     q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 64)
@@ -166,15 +195,18 @@ def test_split_tail_rows(bits, monkeypatch):
             assert torch.equal(y, fused(x, q, b)), "split tail rows are summed in a fixed order"
 
 
-def test_planner_picks_balanced_or_split_schedules_exactly():
-    """The planner's own choice on layers with more row blocks than the balanced schedule has
-    blocks (M = 28672: balanced at N = 16 and 32 on an H100) and fewer (split-K or one block per row
-    block), against the reference."""
+def test_planner_picks_its_schedules_exactly():
+    """The planner's own choice on layers with more row blocks than two per SM (M = 28672, 24000)
+    and fewer (split-K or one block per row block), against the reference. Its row-pair rule
+    (lowbit_mm.cu, use_row_pairs): 64-row tiles at N = 1, 128-row tiles at N = 17-32, and at
+    N = 9-16 for 4 bits."""
     for m, k in ((28672, 512), (24000, 768), (3000, 2048)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), 4, 128)
         for n in (1, 8, 16, 32):
             x = torch.randn(n, k, device="cuda").half()
             assert rel_err(fused(x, q), reference(x, q)) <= 2e-3, f"M={m} N={n}"
+            if n != 8:
+                assert lowbit_plan(q, n)["tile_rows"] == (64 if n == 1 else 128), f"M={m} N={n}"
 
 
 def test_split_counters_shared_across_calls_and_streams(monkeypatch):

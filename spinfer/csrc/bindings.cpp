@@ -349,8 +349,9 @@ std::vector<int64_t> lowbit_plan_cuda(const at::Tensor& x, int64_t m, int64_t k,
   const LowbitPlan p = lowbit_mm_plan(static_cast<int>(m), static_cast<int>(x.size(0)), static_cast<int>(kp),
                                       static_cast<int>(bits), static_cast<int>(group_size), x.get_device(),
                                       x.scalar_type() == at::kBFloat16, static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
-  return {p.bn, p.n_tiles, p.row_blocks, p.grid_blocks, p.splits, p.iters_per_split, p.blocks_per_sm, p.balanced,
-          p.tail_first, p.tail_splits, p.tail_iters};
+  return {p.bn,         p.n_tiles,     p.row_blocks, p.grid_blocks, p.splits,     p.iters_per_split,
+          p.blocks_per_sm, p.variant == kLowbitBalanced, p.tail_first, p.tail_splits, p.tail_iters,
+          lowbit_tile_rows(p.variant)};
 }
 
 // ---- tca_bme_to_dense / lowbit_to_dense: the weight as a dense [m, k] matrix (to_dense.cu). The

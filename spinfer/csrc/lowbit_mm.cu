@@ -16,26 +16,26 @@ SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, true)
 namespace {
 
 template <bool kBF16>
-int query_blocks_per_sm(int bits, int bn, int ng, bool balanced) {
+int query_blocks_per_sm(int bits, int bn, int ng, int variant) {
   switch (bits) {
-    case 1: return blocks_per_sm<kBF16, 1>(bn, ng, balanced);
-    case 2: return blocks_per_sm<kBF16, 2>(bn, ng, balanced);
-    case 4: return blocks_per_sm<kBF16, 4>(bn, ng, balanced);
-    default: return blocks_per_sm<kBF16, 8>(bn, ng, balanced);
+    case 1: return blocks_per_sm<kBF16, 1>(bn, ng, variant);
+    case 2: return blocks_per_sm<kBF16, 2>(bn, ng, variant);
+    case 4: return blocks_per_sm<kBF16, 4>(bn, ng, variant);
+    default: return blocks_per_sm<kBF16, 8>(bn, ng, variant);
   }
 }
 
 // Resident blocks per SM of a kernel variant on a device: an occupancy query costs
 // microseconds, so it is asked once.
-int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, bool balanced) {
+int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int variant) {
   static std::mutex mu;
-  static std::map<std::tuple<int, bool, int, int, int, bool>, int> cache;
-  const auto key = std::make_tuple(device, bf16, bits, bn, ng, balanced);
+  static std::map<std::tuple<int, bool, int, int, int, int>, int> cache;
+  const auto key = std::make_tuple(device, bf16, bits, bn, ng, variant);
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   const int blocks =
-      bf16 ? query_blocks_per_sm<true>(bits, bn, ng, balanced) : query_blocks_per_sm<false>(bits, bn, ng, balanced);
+      bf16 ? query_blocks_per_sm<true>(bits, bn, ng, variant) : query_blocks_per_sm<false>(bits, bn, ng, variant);
   cache.emplace(key, blocks);
   return blocks;
 }
@@ -67,6 +67,33 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
   return std::max(1, std::min({want, fit, std::max(1, total_iters / kMinItersPerSplit)}));
 }
 
+// Row pairs (lowbit_mm.cuh: a block of 128 rows whose two 64-row halves share each activation
+// slice, so x is copied from L2 half as often) against one block per 64 rows. x's bytes per stage
+// are N / (4 bits) of the weights', so pairs pay at larger N; they also halve the blocks, which
+// a layer with few row blocks must make up with more, shorter splits. Measured on H100, one
+// process, geomean x cuBLAS, paired / not (docs/quant.md, twenty-first session):
+//  * N = 17-32 (BN = 32): faster on all four issue shapes at every width, 4-bit 28672x8192
+//    111.0 -> 93.8 us, 14336x4096 35.9 -> 34.1.
+//  * N = 9-16 (BN = 16): at 4 and 8 bits faster or equal on seven Llama shapes but 4096x4096
+//    at 4 bits (-2%) (28672x8192 4-bit 78.6 -> 63.1 us); at 1 and 2 bits faster where the
+//    pairs' splits keep >= 16 stages (28672xK, 8192x28672: +3-15%), slower where the split is
+//    short (14336x4096, 4096x4096 2-bit: -7/-8%, 4096x14336 -3%).
+//  * N <= 8 (BN = 8): at N = 8 faster at 4 bits where row pairs fill the SMs unsplit (28672x8192
+//    59.8 -> 54.8 us, 28672x4096 +7%), within 1% at 8 bits (x a quarter of the weights' bytes),
+//    slower on most cases at 1 and 2 bits; at N = 1 (x: one row) slower nearly everywhere. So at
+//    BN = 8 only where x is at least half the weights' bytes (n >= 2 bits: 4 bits, N = 8) and
+//    row pairs fill the SMs.
+// `splits` > 0: the caller's split factor; 0: the planner's.
+bool use_row_pairs(int m, int n, int bits, int bn, int n_tiles, int total_iters, int splits, int sms,
+                   int pair_resident) {
+  if (const char* env = std::getenv("SPINFER_LOWBIT_PAIRS")) return env[0] == '1';  // A/B runs, tests
+  const int row_pairs = (m + 127) / 128;
+  if (bn == 32) return true;
+  if (bn == 8) return bits >= 4 && n >= 2 * bits && row_pairs >= sms;
+  const int s = splits > 0 ? splits : choose_splits(row_pairs * n_tiles, sms, sms * pair_resident, total_iters);
+  return bits >= 4 || (total_iters + s - 1) / s >= 16;
+}
+
 }  // namespace
 }  // namespace lowbit
 
@@ -80,7 +107,6 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     if (forced == 8 || forced == 16 || forced == 32) p.bn = forced;
   }
   p.n_tiles = (n + p.bn - 1) / p.bn;
-  p.row_blocks = (m + kBlockRows - 1) / kBlockRows;
   p.chunks = kp / kChunk;
   // Groups of 32 and 64 split a 128-column chunk; every other size (128, 256, per-channel K)
   // gives one group per chunk.
@@ -91,12 +117,17 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   p.pdl = use_pdl(major);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
-  const int64_t units = static_cast<int64_t>(p.row_blocks) * total_iters;
   int splits = 0;  // split-K factor, or -1: the balanced schedule
   if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) splits = std::max(-1, std::atoi(env));
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
   const bool rule = splits == 0;  // the planner's own choice, not the caller's or SPINFER_LOWBIT_SPLITS
-  const int resident = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, false);
+  const bool pairs = splits >= 0 && use_row_pairs(m, n, bits, p.bn, p.n_tiles, total_iters, splits, sms,
+                                                  blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, kLowbitRowPairs));
+  p.row_blocks = (m + lowbit_tile_rows(pairs ? kLowbitRowPairs : kLowbitPerTile) - 1) /
+                 lowbit_tile_rows(pairs ? kLowbitRowPairs : kLowbitPerTile);
+  const int64_t units = static_cast<int64_t>(p.row_blocks) * total_iters;
+  const int resident =
+      blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, pairs ? kLowbitRowPairs : kLowbitPerTile);
   if (splits == 0) {
     // The balanced schedule at 9 <= N <= 32 (token tile 16 or 32, one tile) where a layer has
     // more row blocks than the schedule has blocks. There one block per row block takes more
@@ -111,12 +142,12 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     // 25.4 / 36.7 -> 21.5 / 23.4 / 28.3 / 41.1. SPINFER_LOWBIT_BALANCED=0 leaves the rule out.
     const char* env = std::getenv("SPINFER_LOWBIT_BALANCED");
     const bool allowed = !(env && env[0] == '0');
-    if (allowed && p.bn >= 16 && p.n_tiles == 1 && p.row_blocks > sms * kBalancedPerSM) splits = -1;
+    if (allowed && !pairs && p.bn >= 16 && p.n_tiles == 1 && p.row_blocks > sms * kBalancedPerSM) splits = -1;
     else splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * resident, total_iters);
   }
-  p.balanced = splits < 0;
-  p.blocks_per_sm = p.balanced ? blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, true) : resident;
-  if (p.balanced) {
+  p.variant = splits < 0 ? kLowbitBalanced : pairs ? kLowbitRowPairs : kLowbitPerTile;
+  p.blocks_per_sm = splits < 0 ? blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, kLowbitBalanced) : resident;
+  if (p.variant == kLowbitBalanced) {
     const int per_sm = std::min(p.blocks_per_sm, kBalancedPerSM);
     const BalancedGrid g = balanced_grid(sms, per_sm, p.n_tiles, p.row_blocks, units);
     p.grid_blocks = g.blocks;
@@ -126,7 +157,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     p.splits = (total_iters + p.iters_per_split - 1) / p.iters_per_split;  // no empty splits
     p.grid_blocks = p.row_blocks * p.splits;
   }
-  if (rule && !p.balanced && p.splits == 1 && p.n_tiles == 1) {
+  if (rule && p.variant != kLowbitBalanced && p.splits == 1 && p.n_tiles == 1) {
     // Split tail rows (schedule.cuh). SPINFER_LOWBIT_TAIL: 0 turns the split off, S > 0 forces S
     // splits (A/B runs, tests).
     const char* env = std::getenv("SPINFER_LOWBIT_TAIL");
@@ -141,7 +172,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   }
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.row_blocks;
-    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kBlockRows;
+    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * lowbit_tile_rows(p.variant);
   }
   return p;
 }

@@ -5,7 +5,10 @@
 //  * One block of two groups of 4 warps owns 64 output rows and a tile of BN tokens; warp w of
 //    a group owns rows 16w .. 16w+15 and walks a range of 128-column chunks of K (all, or a
 //    split-K share), each group taking half of every stage. In the balanced schedule a block's
-//    range runs on across row blocks instead (Schedule, below).
+//    range runs on across row blocks instead (Schedule, below). With row pairs
+//    (kLowbitRowPairs, RB = 2) a block owns 128 rows: each group takes one 64-row block and
+//    every chunk of each stage, and both share the stage's activation slice, so x is copied
+//    from L2 half as often (lowbit_mm.cu, use_row_pairs, says where that pays).
 //  * A 3-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
 //    tile (one contiguous 4..8 KB span: the format stores 64-row x stage tiles), their
 //    (scale, zero) pairs and the matching activation slice to shared memory, so 2 stages of
@@ -122,14 +125,17 @@ __device__ __forceinline__ int piece_swizzle(int r) {
 // One stage: [64 weight rows][row bytes] [64 rows][U*NG (scale, zero) pairs] [BN][x stride].
 // The x stride is columns + 16 halves: row g's 8-byte B-fragment loads start 32 bytes after
 // row g-1's (mod 128), so a half-warp (4 rows x 4 lanes) covers all 32 banks once.
-template <int BITS, int BN, int NG, bool CROSS = false>
+// RB row blocks per block (row pairs: RB = 2): the weight and scale regions hold RB x 64 rows, the
+// activation slice is shared.
+template <int BITS, int BN, int NG, bool CROSS = false, int RB = 1>
 struct Layout {
   static constexpr int U = chunks_per_stage<BITS>();
   static constexpr int kCols = U * kChunk;
+  static constexpr int kTileRows = RB * kBlockRows;
   static constexpr int kWStride = weight_row_bytes<BITS>();
   static constexpr int kPairs = U * NG;  // (scale, zero) pairs per row per stage
-  static constexpr int kSzOffset = kBlockRows * kWStride;
-  static constexpr int kXOffset = kSzOffset + (kBlockRows * kPairs * 4 + 15) / 16 * 16;
+  static constexpr int kSzOffset = kTileRows * kWStride;
+  static constexpr int kXOffset = kSzOffset + (kTileRows * kPairs * 4 + 15) / 16 * 16;
   static constexpr int kXStride = kCols + 16;
   static constexpr int kStageBytes = kXOffset + BN * kXStride * 2;
   // Where the second warp group's accumulators are summed into the first's when a tile is
@@ -241,10 +247,13 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
 
 // CROSS: ranges may cross row blocks (the balanced schedule); without it a block's range is
 // one row block's stages, and the kernel keeps none of the bookkeeping for more.
-template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS>
+// RB: 64-row blocks per block (1, or 2 without CROSS: row pairs).
+template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS, int RB>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int64_t split_stride, const int iters_per_split) {
-  using L = Layout<BITS, BN, NG, CROSS>;
+  static_assert(RB == 1 || (RB == 2 && !CROSS), "row pairs only in the one-block-per-tile grids");
+  using L = Layout<BITS, BN, NG, CROSS, RB>;
+  constexpr int kTileRows = L::kTileRows;  // output rows of a block's tile
   constexpr int U = L::U;
   constexpr int kTilesPerWord = 8 / BITS;  // k16 tiles whose values one word holds (8-bit: 1)
   constexpr int kRowBytes = U * kChunk * BITS / 8;  // a weight row's bytes per stage
@@ -258,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const int n0 = blockIdx.x * BN;
   const int valid_rows = min(BN, args.n - n0);
   const int total_iters = (chunks + U - 1) / U;  // stages per row block
-  const int row_blocks = (args.m + kBlockRows - 1) / kBlockRows;
+  const int row_blocks = (args.m + kBlockRows - 1) / kBlockRows;  // of 64 rows (the format's tiles)
   // The first unit's row block and stage in it, and how many units. Without CROSS the grid is
   // (token tiles, row blocks, splits) and a split is iters_per_split stages: no division, which
   // every block would pay before its first copy.
@@ -295,24 +304,32 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   // and its x pieces kXRowStep token rows apart. Per-slot offsets kept in arrays were
   // rematerialized from the thread index at every stage (~90 of a stage's ~450 instructions,
   // SASS of 4-bit BN=8); a runtime-bounded `for (p = tid; ...)` loop cost ~700 IMAD a stage.
+  // With RB = 2 the slots of the second 64 rows read the second row block's tile, rb_stride
+  // bytes on in the stream (the same stage of the next row block); where the layer has no
+  // second row block they read the first one's again: finite values for rows never stored.
   constexpr int kWPieces = kRowBytes / 16;
-  constexpr int kWSlots = kBlockRows * kWPieces;
+  constexpr int kWTileSlots = kBlockRows * kWPieces;  // of one 64-row tile
+  constexpr int kWSlots = RB * kWTileSlots;
   constexpr int kWCopies = (kWSlots + kThreads - 1) / kThreads;
   constexpr int kWRowStep = kThreads / kWPieces;
   static_assert((kWSlots % kThreads == 0 || kWCopies == 1) && kWRowStep % 8 == 0, "whole weight copy rounds");
+  static_assert(kWTileSlots % kThreads == 0 || kThreads % kWTileSlots == 0, "a copy round stays in one tile");
   const int w_row = tid / kWPieces;
   const int w_dst = w_row * L::kWStride + ((tid % kWPieces) ^ piece_swizzle<BITS>(w_row)) * 16;
+  const int64_t rb_stride =
+      RB == 2 && RB * row_first + 1 < row_blocks ? static_cast<int64_t>(total_iters) * kBlockRows * kRowBytes : 0;
   const unsigned char* w_src =
       reinterpret_cast<const unsigned char*>(args.qweight) +
-      (static_cast<int64_t>(row_first) * total_iters + it_begin + rot) * kBlockRows * kRowBytes + tid * 16;
-  constexpr int kSzSlots = kBlockRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
+      (static_cast<int64_t>(RB * row_first) * total_iters + it_begin + rot) * kBlockRows * kRowBytes +
+      (tid % kWTileSlots) * 16 + (tid / kWTileSlots) * rb_stride;
+  constexpr int kSzSlots = kTileRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
   constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
   const uint32_t* sz_row[kSzCopies];  // this slot's row of scale_zero (nullptr past M)
   int sz_col[kSzCopies];              // its column offset inside the stage (u, j)
   auto sz_rows = [&](const int row_block) {  // the slots' rows in a row block
 #pragma unroll
     for (int i = 0; i < kSzCopies; ++i) {
-      const int p = tid + i * kThreads, r = row_block * kBlockRows + p / L::kPairs;
+      const int p = tid + i * kThreads, r = row_block * kTileRows + p / L::kPairs;
       sz_row[i] = p < kSzSlots && r < args.m
                       ? reinterpret_cast<const uint32_t*>(args.scale_zero) + static_cast<int64_t>(r) * args.groups
                       : nullptr;
@@ -355,7 +372,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 #pragma unroll
     for (int i = 0; i < kWCopies; ++i) {
       if (kWSlots % kThreads != 0 && tid >= kWSlots) break;  // 1-bit with two groups: 128 pieces
-      ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride, w_next + i * kThreads * 16);
+      const int c = i * kThreads;  // the round's first slot (unrolled: a constant)
+      ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride,
+                          w_next + (c % kWTileSlots) * 16 + (c / kWTileSlots) * rb_stride);
     }
     w_next += kBlockRows * kRowBytes;
 #pragma unroll
@@ -389,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-  const int my_row = warp * 16 + g;  // and my_row + 8
+  const int my_row = (RB == 2 ? group * kBlockRows : 0) + warp * 16 + g;  // and my_row + 8, in the tile
   // Scale and zero are applied per segment (128/NG columns, inside one group). The A fragments
   // hold the exact integers q - zi (zi: the zero point's integer part, see integer_zero), so
   // for one row and token
@@ -399,23 +418,22 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   // tokens against a ones matrix, reusing the B-fragment registers as its A operand. Before,
   // every segment paid that mma, its operand moves and two shuffles per 8 tokens, and the
   // difference sum q x - z sum x cancelled most of its digits.
-  // What a warp group computes of a stage: below 8 bits (two chunks) chunk `group`; at 8 bits
-  // (one chunk) tiles 4 * group .. 4 * group + 3 of it, and with them the segments (groups of
-  // scales) that hold them: g128 splits its one segment, g64 and g32 give each group whole
-  // segments.
-  static_assert(U == kGroups || U == 1, "a group takes one chunk, or half of the only one");
-  constexpr int kSplitTiles = U == 1 ? 2 : 1;
+  // What a warp group computes of a stage: with RB = 2 every chunk of its own row block;
+  // otherwise, below 8 bits (two chunks) chunk `group`, and at 8 bits (one chunk) tiles
+  // 4 * group .. 4 * group + 3 of it, and with them the segments (groups of scales) that hold
+  // them: g128 splits its one segment, g64 and g32 give each group whole segments.
+  static_assert(RB == 2 || U == kGroups || U == 1, "a group takes one chunk, or half of the only one");
+  constexpr int kSplitTiles = RB == 1 && U == 1 ? 2 : 1;
   constexpr int kTiles = 8 / kSplitTiles;                             // k16 tiles a group takes
   constexpr int kSegs = NG / kSplitTiles > 0 ? NG / kSplitTiles : 1;  // segments it meets
   static_assert(kSplitTiles == 1 || BITS == 8, "only 8-bit words hold one tile each");
   constexpr int kXTiles = BN >= 16 ? BN / 16 : 1;  // 16-token groups of the x-sum mma
   constexpr uint32_t kOnes = kBF16 ? 0x3f803f80u : 0x3c003c00u;
-  auto compute = [&](int offset) {
+  // Chunk u of the stage at `offset`, from k16 tile tile0 on. group, u and tile0 are address
+  // terms only: the loops below stay unrolled.
+  auto compute_chunk = [&](const int offset, const int u, const int tile0) {
     const unsigned char* st = smem + offset;
     const unsigned char* xrow = st + L::kXOffset + (g * L::kXStride + 4 * t) * 2;
-    // group, u and tile0 are address terms only: the loops below stay unrolled
-    const int u = kSplitTiles == 1 ? group : 0;               // the chunk
-    const int tile0 = kSplitTiles == 2 ? group * kTiles : 0;  // the group's first k16 tile in it
     uint32_t w[2][BITS / kSplitTiles];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -531,6 +549,14 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
       }
     }
   };
+  auto compute = [&](const int offset) {
+    if constexpr (RB == 2) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) compute_chunk(offset, u, 0);
+    } else {
+      compute_chunk(offset, kSplitTiles == 1 ? group : 0, kSplitTiles == 2 ? group * kTiles : 0);
+    }
+  };
 
   // Token rows past N are zeroed once in every stage and never copied (at N = 1 that is 7 of
   // the 8 rows of the x tile).
@@ -547,6 +573,12 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   float* red = reinterpret_cast<float*>(smem + (CROSS ? L::kRedOffset : 0));
   const int slot = tid % (32 * kWarps);
   auto flush = [&](const int row, const int split, const int splits) {
+    if constexpr (RB == 2) {  // each group holds its own rows: no sum
+      store_tile<kBF16, BN, kTileRows, kThreads>(out, row * kTileRows, my_row, n0,
+                                                 static_cast<int64_t>(row) * gridDim.x + blockIdx.x, split_stride,
+                                                 split, splits, acc, lane, tid, &s_is_last);
+      return;
+    }
     if constexpr (!CROSS) __syncthreads();  // every warp is done with the stage buffers
     if (group == 1)
 #pragma unroll
@@ -632,13 +664,22 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 }
 
 // Host side of one (dtype, bits) pair: the BN, NG and schedule variants, instantiated in
-// lowbit_mm_{fp16,bf16}_{1,2,4,8}.cu so nvcc builds them in parallel. BALANCED: the balanced
-// schedule's variant (ranges across row blocks, kBalancedPerSM resident blocks).
-template <bool kBF16, int BITS, int BN, int NG, bool BALANCED>
+// lowbit_mm_{fp16,bf16}_{1,2,4,8}.cu so nvcc builds them in parallel.
+template <bool kBF16, int BITS, int BN, int NG, int V>
 struct Launcher {
+  static constexpr bool BALANCED = V == kLowbitBalanced;
+  static constexpr int RB = V == kLowbitRowPairs ? 2 : 1;
+  static constexpr int kSmem = Layout<BITS, BN, NG, BALANCED, RB>::kSmemBytes;
+  // Row pairs: the register cap allows as many resident blocks as H100's shared memory (228 KB
+  // an SM, 1 KB reserved per block) holds, and at BN >= 16 no more than 2: with 3 (80
+  // registers) the 1-, 2- and 8-bit variants spilled 8-20 bytes. H100, N = 16, six Llama
+  // shapes, time of the per-tile kernel over the paired one in the same process, cap 3 -> 2:
+  // 8-bit 0.96-1.15 -> 1.01-1.13, 1-bit 0.94-1.10 -> 0.96-1.15, 2-bit 0.90-1.12 -> 0.92-1.12.
+  static constexpr int kRowPairCap = BN == 8 ? kMinBlocks<BITS, BN> : 2;
+  static constexpr int kRowPairBlocks = 233472 / (kSmem + 1024) < kRowPairCap ? 233472 / (kSmem + 1024) : kRowPairCap;
   static constexpr auto kernel =
-      lowbit_mm_kernel<kBF16, BITS, BN, NG, BALANCED ? kBalancedPerSM : kMinBlocks<BITS, BN>, BALANCED>;
-  static constexpr int kSmem = Layout<BITS, BN, NG, BALANCED>::kSmemBytes;
+      lowbit_mm_kernel<kBF16, BITS, BN, NG,
+                       BALANCED ? kBalancedPerSM : RB == 2 ? kRowPairBlocks : kMinBlocks<BITS, BN>, BALANCED, RB>;
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
     if (cudaError_t err = allow_smem(); err != cudaSuccess) return err;
     // Balanced: (token tiles, blocks); else (token tiles, row blocks, splits) of
@@ -647,7 +688,7 @@ struct Launcher {
     const dim3 grid = BALANCED               ? dim3(plan.n_tiles, plan.grid_blocks)
                       : plan.tail_splits > 1 ? dim3(1, plan.grid_blocks)
                                              : dim3(plan.n_tiles, plan.row_blocks, plan.splits);
-    const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * kBlockRows;
+    const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * RB * kBlockRows;
     LowbitArgs a = args;
     a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
     return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, a, plan.chunks, split_stride,
@@ -673,57 +714,64 @@ struct Launcher {
   }
 };
 
-template <bool kBF16, int BITS, int BN, bool BALANCED>
+template <bool kBF16, int BITS, int BN, int V>
 cudaError_t launch_ng(int ng, const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
   switch (ng) {
-    case 4: return Launcher<kBF16, BITS, BN, 4, BALANCED>::launch(args, plan, stream);
-    case 2: return Launcher<kBF16, BITS, BN, 2, BALANCED>::launch(args, plan, stream);
-    default: return Launcher<kBF16, BITS, BN, 1, BALANCED>::launch(args, plan, stream);
+    case 4: return Launcher<kBF16, BITS, BN, 4, V>::launch(args, plan, stream);
+    case 2: return Launcher<kBF16, BITS, BN, 2, V>::launch(args, plan, stream);
+    default: return Launcher<kBF16, BITS, BN, 1, V>::launch(args, plan, stream);
   }
 }
-template <bool kBF16, int BITS, int BN, bool BALANCED>
+template <bool kBF16, int BITS, int BN, int V>
 int blocks_per_sm_ng(int ng) {
   switch (ng) {
-    case 4: return Launcher<kBF16, BITS, BN, 4, BALANCED>::blocks_per_sm();
-    case 2: return Launcher<kBF16, BITS, BN, 2, BALANCED>::blocks_per_sm();
-    default: return Launcher<kBF16, BITS, BN, 1, BALANCED>::blocks_per_sm();
+    case 4: return Launcher<kBF16, BITS, BN, 4, V>::blocks_per_sm();
+    case 2: return Launcher<kBF16, BITS, BN, 2, V>::blocks_per_sm();
+    default: return Launcher<kBF16, BITS, BN, 1, V>::blocks_per_sm();
   }
 }
-template <bool kBF16, int BITS, bool BALANCED>
+template <bool kBF16, int BITS, int V>
 cudaError_t launch_bn(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
   switch (plan.bn) {
-    case 8: return launch_ng<kBF16, BITS, 8, BALANCED>(plan.ng, args, plan, stream);
-    case 16: return launch_ng<kBF16, BITS, 16, BALANCED>(plan.ng, args, plan, stream);
-    default: return launch_ng<kBF16, BITS, 32, BALANCED>(plan.ng, args, plan, stream);
+    case 8: return launch_ng<kBF16, BITS, 8, V>(plan.ng, args, plan, stream);
+    case 16: return launch_ng<kBF16, BITS, 16, V>(plan.ng, args, plan, stream);
+    default: return launch_ng<kBF16, BITS, 32, V>(plan.ng, args, plan, stream);
   }
 }
-template <bool kBF16, int BITS, bool BALANCED>
+template <bool kBF16, int BITS, int V>
 int blocks_per_sm_bn(int bn, int ng) {
   switch (bn) {
-    case 8: return blocks_per_sm_ng<kBF16, BITS, 8, BALANCED>(ng);
-    case 16: return blocks_per_sm_ng<kBF16, BITS, 16, BALANCED>(ng);
-    default: return blocks_per_sm_ng<kBF16, BITS, 32, BALANCED>(ng);
+    case 8: return blocks_per_sm_ng<kBF16, BITS, 8, V>(ng);
+    case 16: return blocks_per_sm_ng<kBF16, BITS, 16, V>(ng);
+    default: return blocks_per_sm_ng<kBF16, BITS, 32, V>(ng);
   }
 }
 
 // The entry points of one (dtype, bits) pair, for the runtime tile width, groups per chunk and
-// schedule.
+// schedule variant.
 template <bool kBF16, int BITS>
 cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-  return plan.balanced ? launch_bn<kBF16, BITS, true>(args, plan, stream)
-                       : launch_bn<kBF16, BITS, false>(args, plan, stream);
+  switch (plan.variant) {
+    case kLowbitBalanced: return launch_bn<kBF16, BITS, kLowbitBalanced>(args, plan, stream);
+    case kLowbitRowPairs: return launch_bn<kBF16, BITS, kLowbitRowPairs>(args, plan, stream);
+    default: return launch_bn<kBF16, BITS, kLowbitPerTile>(args, plan, stream);
+  }
 }
 template <bool kBF16, int BITS>
-int blocks_per_sm(int bn, int ng, bool balanced) {
-  return balanced ? blocks_per_sm_bn<kBF16, BITS, true>(bn, ng) : blocks_per_sm_bn<kBF16, BITS, false>(bn, ng);
+int blocks_per_sm(int bn, int ng, int variant) {
+  switch (variant) {
+    case kLowbitBalanced: return blocks_per_sm_bn<kBF16, BITS, kLowbitBalanced>(bn, ng);
+    case kLowbitRowPairs: return blocks_per_sm_bn<kBF16, BITS, kLowbitRowPairs>(bn, ng);
+    default: return blocks_per_sm_bn<kBF16, BITS, kLowbitPerTile>(bn, ng);
+  }
 }
 
 #define SPINFER_LOWBIT_INSTANTIATE(BF16, BITS)                                                        \
   template cudaError_t launch<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  template int blocks_per_sm<BF16, BITS>(int, int, bool);
+  template int blocks_per_sm<BF16, BITS>(int, int, int);
 #define SPINFER_LOWBIT_EXTERN(BF16, BITS)                                                                    \
   extern template cudaError_t launch<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  extern template int blocks_per_sm<BF16, BITS>(int, int, bool);
+  extern template int blocks_per_sm<BF16, BITS>(int, int, int);
 #define SPINFER_LOWBIT_FOR_BITS(X, BF16) X(BF16, 1) X(BF16, 2) X(BF16, 4) X(BF16, 8)
 
 }  // namespace lowbit

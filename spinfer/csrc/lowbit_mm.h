@@ -46,10 +46,19 @@ inline int lowbit_rotate() {
   return env ? std::atoi(env) : kLowbitRotate;
 }
 
+// The fused kernel's schedule variants (lowbit_mm.cuh).
+enum LowbitVariant : int {
+  kLowbitPerTile = 0,   // a block per 64-row tile and split: the grid (token tiles, row blocks, splits)
+  kLowbitBalanced = 1,  // equal ranges of (row block, stage) units, across row blocks (Schedule)
+  kLowbitRowPairs = 2,  // a block per 128-row tile and split: two row blocks share each activation slice
+};
+// Output rows of a block's tile.
+inline int lowbit_tile_rows(int variant) { return variant == kLowbitRowPairs ? 128 : 64; }
+
 struct LowbitPlan {
   int bn;          // tokens per block tile: 8, 16 or 32
   int n_tiles;     // ceil(n / bn)
-  int row_blocks;  // ceil(m / 64)
+  int row_blocks;  // ceil(m / lowbit_tile_rows(variant))
   int chunks;      // kp / 128
   int grid_blocks; // blocks per token tile: row_blocks x splits, or the balanced schedule's
                    // SMs x kBalancedPerSM, each an equal range of the layer's (row block, stage)
@@ -58,7 +67,7 @@ struct LowbitPlan {
   int iters_per_split;  // stages per split-K block (not the balanced schedule)
   int ng;          // scale groups per 128-column chunk: 1 (group >= 128), 2 (64) or 4 (32)
   int blocks_per_sm;  // resident blocks of this variant (occupancy API)
-  bool balanced;   // the balanced schedule (its kernel variant takes ranges across row blocks)
+  int variant;     // LowbitVariant
   // Split tail rows (schedule.cuh, tail_split): the row blocks from tail_first on are split
   // tail_splits ways (tail_iters stages each, grid_blocks blocks in all); the others are whole.
   // tail_splits 0: none.
@@ -71,7 +80,8 @@ struct LowbitPlan {
 // splits > 0: that split-K factor (capped at the stages), -1: the balanced schedule, as tuned by
 // spinfer.tuning; 0: the planner's rule, which SPINFER_LOWBIT_SPLITS (a factor, or -1) overrides
 // (A/B runs and tests), as SPINFER_LOWBIT_BN (8, 16, 32) does the token tile;
-// SPINFER_LOWBIT_BALANCED=0 keeps the rule to split-K.
+// SPINFER_LOWBIT_BALANCED=0 keeps the rule to split-K; SPINFER_LOWBIT_PAIRS=1 / 0 forces row pairs
+// on / off.
 LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16, int splits);
 
 cudaError_t lowbit_mm_run(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream);

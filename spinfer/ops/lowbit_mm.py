@@ -129,13 +129,14 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
 
 # Field names of spinfer::lowbit_plan's result, in order (spinfer/csrc/lowbit_mm.h, LowbitPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "row_blocks", "grid_blocks", "splits", "iters_per_split", "resident_blocks",
-               "balanced", "tail_first", "tail_splits", "tail_iters")
+               "balanced", "tail_first", "tail_splits", "tail_iters", "tile_rows")
 
 
 def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
                 splits: int = 0) -> dict:
     """The launch the fused kernel's planner picks for ``weight`` at ``n`` tokens of ``dtype`` on
-    ``device``: token tile ``bn`` and ``n_tiles``, ``row_blocks`` (64 output rows each),
+    ``device``: token tile ``bn`` and ``n_tiles``, ``row_blocks`` (``tile_rows`` output rows each:
+    64, or 128 where two 64-row blocks share a block's activation slices),
     ``grid_blocks`` per token tile, ``splits`` (the most blocks that share a row block's tile) and
     ``iters_per_split`` (stages per split-K block), ``resident_blocks`` per SM (CUDA's occupancy
     calculator), whether it is the ``balanced`` schedule, and the split tail rows (``tail_first``:

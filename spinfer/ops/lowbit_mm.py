@@ -23,11 +23,13 @@ from .linear_input import check_op_inputs, check_out, check_splits, flatten_inpu
 # Largest N served by the fused kernel, by bit width; above it the weight is decoded once
 # (lowbit_to_dense) and cuBLAS multiplies. The fused kernel decodes the weight again for every
 # 32-token tile, so its time grows with N, while decode + cuBLAS costs one pass over the weight
-# (0.40-0.47x cuBLAS at N = 64-256). Measured crossover on H100, four issue shapes (`spinfer bench
-# to_dense`, docs/quant.md): decode + cuBLAS stays ahead from N = 128-160 at 2/4 bits, 160 at 1 bit (4-bit at
-# N = 128: fused 0.42-0.49x cuBLAS, decoded 0.44-0.47x) and from N = 96-128 at 8 bits (N = 128:
-# fused 0.34-0.37x, decoded 0.40-0.43x). Never below 32 (issue 4).
-FUSED_MAX_N = {1: 128, 2: 128, 4: 128, 8: 96}
+# (0.40-0.50x cuBLAS at N = 64-256). Measured crossover on H100, four issue shapes (`spinfer bench
+# to_dense`, docs/quant.md), with row pairs at N > 16 (twenty-first session): decode + cuBLAS
+# stays ahead from N = 160-192 at 1, 2 and 4 bits (4-bit at N = 128: fused 0.50-0.60x cuBLAS,
+# decoded 0.44-0.48x; at 160: 0.34-0.47x against 0.44-0.47x) and from N = 128-160 at 8 bits (N =
+# 128: fused 0.40-0.47x, decoded 0.40-0.44x; at 160: 0.27-0.35x against 0.41-0.44x). Never
+# below 32 (issue 4).
+FUSED_MAX_N = {1: 128, 2: 128, 4: 128, 8: 128}
 
 
 def fused_max_n(bits: int) -> int:

@@ -209,6 +209,20 @@ def test_planner_picks_its_schedules_exactly():
                 assert lowbit_plan(q, n)["tile_rows"] == (64 if n == 1 else 128), f"M={m} N={n}"
 
 
+def test_row_pairs_near_a_wave_run_unsplit():
+    """Row pairs that make at least 3/4 of a wave run unsplit (lowbit_mm.cu); half a wave is
+    split. 4 bits at N = 16 (paired), against the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for pairs, unsplit in ((sms - 1, True), (-(-3 * sms // 4), True), (sms // 2, False)):
+        m = 128 * pairs - 7
+        q = LowBitWeight.quantize(torch.randn(m, 2048, device="cuda").half(), 4, 128)
+        plan = lowbit_plan(q, 16)
+        assert plan["tile_rows"] == 128 and plan["row_blocks"] == pairs
+        assert (plan["splits"] == 1) == unsplit, (pairs, plan)
+        x = torch.randn(16, 2048, device="cuda").half()
+        assert rel_err(fused(x, q), reference(x, q)) <= 2e-3, f"pairs={pairs}"
+
+
 def test_split_counters_shared_across_calls_and_streams(monkeypatch):
     """Split launches share one arrival-counter buffer per stream that each launch leaves zero:
     split factors and tile counts changing back to back, queued without a sync, on the default

@@ -83,14 +83,19 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
 //    slower on most cases at 1 and 2 bits; at N = 1 (x: one row) slower nearly everywhere. So at
 //    BN = 8 only where x is at least half the weights' bytes (n >= 2 bits: 4 bits, N = 8) and
 //    row pairs fill the SMs.
-// `splits` > 0: the caller's split factor; 0: the planner's.
-bool use_row_pairs(int m, int n, int bits, int bn, int n_tiles, int total_iters, int splits, int sms,
-                   int pair_resident) {
+// `splits` > 0: the caller's split factor; 0: the planner's. The occupancy of the paired variant
+// is asked (of a cache, under a lock) only at BN = 16, the one case that needs it.
+bool use_row_pairs(int m, int n, int bits, int bn, int ng, int n_tiles, int total_iters, int splits, int sms,
+                   int device, bool bf16) {
   if (const char* env = std::getenv("SPINFER_LOWBIT_PAIRS")) return env[0] == '1';  // A/B runs, tests
-  const int row_pairs = (m + 127) / 128;
+  const int tile_rows = lowbit_tile_rows(kLowbitRowPairs);
+  const int row_pairs = (m + tile_rows - 1) / tile_rows;
   if (bn == 32) return true;
   if (bn == 8) return bits >= 4 && n >= 2 * bits && row_pairs >= sms;
-  const int s = splits > 0 ? splits : choose_splits(row_pairs * n_tiles, sms, sms * pair_resident, total_iters);
+  const int s = splits > 0 ? splits
+                           : choose_splits(row_pairs * n_tiles, sms,
+                                           sms * blocks_per_sm_for(device, bf16, bits, bn, ng, kLowbitRowPairs),
+                                           total_iters);
   return bits >= 4 || (total_iters + s - 1) / s >= 16;
 }
 
@@ -121,13 +126,12 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) splits = std::max(-1, std::atoi(env));
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
   const bool rule = splits == 0;  // the planner's own choice, not the caller's or SPINFER_LOWBIT_SPLITS
-  const bool pairs = splits >= 0 && use_row_pairs(m, n, bits, p.bn, p.n_tiles, total_iters, splits, sms,
-                                                  blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, kLowbitRowPairs));
-  p.row_blocks = (m + lowbit_tile_rows(pairs ? kLowbitRowPairs : kLowbitPerTile) - 1) /
-                 lowbit_tile_rows(pairs ? kLowbitRowPairs : kLowbitPerTile);
+  const bool pairs =
+      splits >= 0 && use_row_pairs(m, n, bits, p.bn, p.ng, p.n_tiles, total_iters, splits, sms, device, bf16);
+  const int tiled = pairs ? kLowbitRowPairs : kLowbitPerTile;  // the variant unless balanced below
+  p.row_blocks = (m + lowbit_tile_rows(tiled) - 1) / lowbit_tile_rows(tiled);
   const int64_t units = static_cast<int64_t>(p.row_blocks) * total_iters;
-  const int resident =
-      blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, pairs ? kLowbitRowPairs : kLowbitPerTile);
+  const int resident = blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, tiled);
   if (splits == 0) {
     // The balanced schedule at 9 <= N <= 32 (token tile 16 or 32, one tile) where a layer has
     // more row blocks than the schedule has blocks. There one block per row block takes more
@@ -153,7 +157,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     else if (pairs && 4 * p.row_blocks * p.n_tiles >= 3 * sms) splits = 1;
     else splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * resident, total_iters);
   }
-  p.variant = splits < 0 ? kLowbitBalanced : pairs ? kLowbitRowPairs : kLowbitPerTile;
+  p.variant = splits < 0 ? kLowbitBalanced : tiled;
   p.blocks_per_sm = splits < 0 ? blocks_per_sm_for(device, bf16, bits, p.bn, p.ng, kLowbitBalanced) : resident;
   if (p.variant == kLowbitBalanced) {
     const int per_sm = std::min(p.blocks_per_sm, kBalancedPerSM);

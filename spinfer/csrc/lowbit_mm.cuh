@@ -122,7 +122,7 @@ __device__ __forceinline__ int piece_swizzle(int r) {
   else return (r >> 2) & 1;
 }
 
-// One stage: [64 weight rows][row bytes] [64 rows][U*NG (scale, zero) pairs] [BN][x stride].
+// One stage: [RB x 64 weight rows][row bytes] [RB x 64 rows][U*NG (scale, zero) pairs] [BN][x stride].
 // The x stride is columns + 16 halves: row g's 8-byte B-fragment loads start 32 bytes after
 // row g-1's (mod 128), so a half-warp (4 rows x 4 lanes) covers all 32 banks once.
 // RB row blocks per block (row pairs: RB = 2): the weight and scale regions hold RB x 64 rows, the
@@ -675,8 +675,12 @@ struct Launcher {
   // registers) the 1-, 2- and 8-bit variants spilled 8-20 bytes. H100, N = 16, six Llama
   // shapes, time of the per-tile kernel over the paired one in the same process, cap 3 -> 2:
   // 8-bit 0.96-1.15 -> 1.01-1.13, 1-bit 0.94-1.10 -> 0.96-1.15, 2-bit 0.90-1.12 -> 0.92-1.12.
+  static constexpr int kSmemPerSM = 228 * 1024, kSmemReservedPerBlock = 1024;  // H100 (sm_90)
+  static constexpr int kSmemBlocks = kSmemPerSM / (kSmem + kSmemReservedPerBlock);
   static constexpr int kRowPairCap = BN == 8 ? kMinBlocks<BITS, BN> : 2;
-  static constexpr int kRowPairBlocks = 233472 / (kSmem + 1024) < kRowPairCap ? 233472 / (kSmem + 1024) : kRowPairCap;
+  static constexpr int kRowPairBlocks = kSmemBlocks < kRowPairCap ? kSmemBlocks : kRowPairCap;
+  // The host sizes split-K workspaces and grids by lowbit_tile_rows (lowbit_mm.h).
+  static_assert(Layout<BITS, BN, NG, BALANCED, RB>::kTileRows == lowbit_tile_rows(V), "one tile height");
   static constexpr auto kernel =
       lowbit_mm_kernel<kBF16, BITS, BN, NG,
                        BALANCED ? kBalancedPerSM : RB == 2 ? kRowPairBlocks : kMinBlocks<BITS, BN>, BALANCED, RB>;
@@ -688,7 +692,7 @@ struct Launcher {
     const dim3 grid = BALANCED               ? dim3(plan.n_tiles, plan.grid_blocks)
                       : plan.tail_splits > 1 ? dim3(1, plan.grid_blocks)
                                              : dim3(plan.n_tiles, plan.row_blocks, plan.splits);
-    const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * RB * kBlockRows;
+    const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * lowbit_tile_rows(V);
     LowbitArgs a = args;
     a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
     return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, a, plan.chunks, split_stride,

@@ -53,7 +53,7 @@ enum LowbitVariant : int {
   kLowbitRowPairs = 2,  // a block per 128-row tile and split: two row blocks share each activation slice
 };
 // Output rows of a block's tile.
-inline int lowbit_tile_rows(int variant) { return variant == kLowbitRowPairs ? 128 : 64; }
+constexpr int lowbit_tile_rows(int variant) { return variant == kLowbitRowPairs ? 128 : 64; }
 
 struct LowbitPlan {
   int bn;          // tokens per block tile: 8, 16 or 32

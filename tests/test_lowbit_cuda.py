@@ -209,6 +209,32 @@ def test_planner_picks_its_schedules_exactly():
                 assert lowbit_plan(q, n)["tile_rows"] == (64 if n == 1 else 128), f"M={m} N={n}"
 
 
+@pytest.mark.parametrize("bits", [1, 2])
+def test_row_pairs_of_narrow_widths_at_eight_tokens(bits, monkeypatch):
+    """At N <= 8, 1- and 2-bit layers run row pairs only where the paired grid is split anyway
+    (under 3/4 of a wave of pairs) into splits of >= 16 stages (lowbit_mm.cu, use_row_pairs).
+    M = 8192 (64 pairs): with K = 16384 (64 stages) the split rule's round(2 SMs / 64) splits
+    keep 16 stages on an H100, with K = 8192 half that; M = 128 x SMs is a wave of pairs. Then a
+    caller's split factor: 2 splits of 16 stages pair, and the result matches the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, k in ((8192, 16384), (8192, 8192), (128 * sms, 4096)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 64)
+        pairs, stages = -(-m // 128), k // 256
+        splits = min(max(1, (4 * sms + pairs) // (2 * pairs)), stages // 4)  # choose_splits (occupancy does not bind)
+        want = 4 * pairs < 3 * sms and -(-stages // splits) >= 16
+        for n in (1, 8):
+            assert (lowbit_plan(q, n)["tile_rows"] == 128) == want, f"M={m} K={k} N={n}"
+        del q
+    q = LowBitWeight.quantize(torch.randn(1000, 8192, device="cuda").half(), bits, 64)
+    assert lowbit_plan(q, 8, splits=2)["tile_rows"] == 128 and lowbit_plan(q, 8, splits=3)["tile_rows"] == 64
+    assert lowbit_plan(q, 8, splits=1)["tile_rows"] == 64  # unsplit: never paired at N <= 8
+    for n in (1, 8):
+        x = torch.randn(n, 8192, device="cuda").half()
+        out = torch.full((n, 1000), float("nan"), device="cuda", dtype=torch.half)
+        spinfer.lowbit_mm(x, q, out=out, splits=2)
+        assert rel_err(out, reference(x, q)) <= 2e-3, f"N={n}"
+
+
 def test_row_pairs_near_a_wave_run_unsplit():
     """Row pairs that make at least 3/4 of a wave run unsplit (lowbit_mm.cu); half a wave is
     split. 4 bits at N = 16 (paired), against the reference."""

@@ -79,24 +79,32 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
 //    pairs' splits keep >= 16 stages (28672xK, 8192x28672: +3-15%), slower where the split is
 //    short (14336x4096, 4096x4096 2-bit: -7/-8%, 4096x14336 -3%).
 //  * N <= 8 (BN = 8): at N = 8 faster at 4 bits where row pairs fill the SMs unsplit (28672x8192
-//    59.8 -> 54.8 us, 28672x4096 +7%), within 1% at 8 bits (x a quarter of the weights' bytes),
-//    slower on most cases at 1 and 2 bits; at N = 1 (x: one row) slower nearly everywhere. So at
-//    BN = 8 only where x is at least half the weights' bytes (n >= 2 bits: 4 bits, N = 8) and
-//    row pairs fill the SMs.
+//    59.8 -> 54.8 us, 28672x4096 +7%), within 1% at 8 bits (x a quarter of the weights' bytes);
+//    at N = 1 (x: one row) slower at 4 and 8 bits nearly everywhere. So at 4 and 8 bits, BN = 8
+//    pairs only where x is at least half the weights' bytes (n >= 2 bits: 4 bits, N = 8) and row
+//    pairs fill the SMs. At 1 and 2 bits, bound by instruction issue, a paired warp group takes
+//    twice the work per stage for the same copies and loop, which pays where the paired grid is
+//    split anyway (under 3/4 of a wave of pairs) into splits of >= 16 stages: 8192x28672 (4
+//    splits of 28) at N = 1 / 8, 1-bit 41.5 / 42.4 -> 38.7 / 39.5 us, 2-bit 47.7 / 48.6 -> 46.2 /
+//    46.9. Elsewhere they lost: 28672x8192 and 14336x4096 (pairs near or over a wave) -8 to -11%;
+//    4096x14336 (8 splits of 7) within 1%.
 // `splits` > 0: the caller's split factor; 0: the planner's. The occupancy of the paired variant
-// is asked (of a cache, under a lock) only at BN = 16, the one case that needs it.
+// is asked (of a cache, under a lock) only at 1 and 2 bits, the cases that need it.
 bool use_row_pairs(int m, int n, int bits, int bn, int ng, int n_tiles, int total_iters, int splits, int sms,
                    int device, bool bf16) {
   if (const char* env = std::getenv("SPINFER_LOWBIT_PAIRS")) return env[0] == '1';  // A/B runs, tests
   const int tile_rows = lowbit_tile_rows(kLowbitRowPairs);
   const int row_pairs = (m + tile_rows - 1) / tile_rows;
   if (bn == 32) return true;
-  if (bn == 8) return bits >= 4 && n >= 2 * bits && row_pairs >= sms;
+  if (bn == 8 && bits >= 4) return n >= 2 * bits && row_pairs >= sms;
+  if (bn == 8 && (splits == 1 || (splits == 0 && 4 * row_pairs * n_tiles >= 3 * sms))) return false;  // unsplit
+  if (bn == 16 && bits >= 4) return true;
+  // 1 and 2 bits: pairs where their splits keep >= 16 stages.
   const int s = splits > 0 ? splits
                            : choose_splits(row_pairs * n_tiles, sms,
                                            sms * blocks_per_sm_for(device, bf16, bits, bn, ng, kLowbitRowPairs),
                                            total_iters);
-  return bits >= 4 || (total_iters + s - 1) / s >= 16;
+  return (total_iters + s - 1) / s >= 16;
 }
 
 }  // namespace

@@ -210,7 +210,7 @@ def test_planner_picks_its_schedules_exactly():
 
 
 @pytest.mark.parametrize("bits", [1, 2])
-def test_row_pairs_of_narrow_widths_at_eight_tokens(bits, monkeypatch):
+def test_row_pairs_of_narrow_widths_at_eight_tokens(bits):
     """At N <= 8, 1- and 2-bit layers run row pairs only where the paired grid is split anyway
     (under 3/4 of a wave of pairs) into splits of >= 16 stages (lowbit_mm.cu, use_row_pairs).
     M = 8192 (64 pairs): with K = 16384 (64 stages) the split rule's round(2 SMs / 64) splits

@@ -84,9 +84,10 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
 //    pairs only where x is at least half the weights' bytes (n >= 2 bits: 4 bits, N = 8) and row
 //    pairs fill the SMs. At 1 and 2 bits, bound by instruction issue, a paired warp group takes
 //    twice the work per stage for the same copies and loop, which pays where the paired grid is
-//    split anyway (under 3/4 of a wave of pairs) into splits of >= 16 stages: 8192x28672 (4
-//    splits of 28) at N = 1 / 8, 1-bit 41.5 / 42.4 -> 38.7 / 39.5 us, 2-bit 47.7 / 48.6 -> 46.2 /
-//    46.9. Elsewhere they lost: 28672x8192 and 14336x4096 (pairs near or over a wave) -8 to -11%;
+//    split anyway (under 3/4 of a wave of pairs) into splits of >= 16 stages. Twenty-second
+//    session, this rule against the old one, N = 1 / 8: 8192x28672 (4 splits of 28) 1-bit 41.9 /
+//    42.9 -> 39.1 / 39.9 us, 2-bit 48.1 / 48.9 -> 46.4 / 47.4; 8192x16384 (4 of 16) +1-6%. Forced
+//    pairs had lost elsewhere: 28672x8192 and 14336x4096 (pairs near or over a wave) -8 to -11%,
 //    4096x14336 (8 splits of 7) within 1%.
 // `splits` > 0: the caller's split factor; 0: the planner's. The occupancy of the paired variant
 // is asked (of a cache, under a lock) only at 1 and 2 bits, the cases that need it.

@@ -67,6 +67,11 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
   return std::max(1, std::min({want, fit, std::max(1, total_iters / kMinItersPerSplit)}));
 }
 
+// Whether a layer's row pairs (128-row tiles, all token tiles) make at least 3/4 of a wave: the
+// planner then runs them unsplit (lowbit_mm_plan), and at N <= 8 use_row_pairs leaves 1 and 2 bits
+// unpaired there.
+bool pairs_near_a_wave(int row_pairs, int n_tiles, int sms) { return 4 * row_pairs * n_tiles >= 3 * sms; }
+
 // Row pairs (lowbit_mm.cuh: a block of 128 rows whose two 64-row halves share each activation
 // slice, so x is copied from L2 half as often) against one block per 64 rows. x's bytes per stage
 // are N / (4 bits) of the weights', so pairs pay at larger N; they also halve the blocks, which
@@ -98,7 +103,7 @@ bool use_row_pairs(int m, int n, int bits, int bn, int ng, int n_tiles, int tota
   const int row_pairs = (m + tile_rows - 1) / tile_rows;
   if (bn == 32) return true;
   if (bn == 8 && bits >= 4) return n >= 2 * bits && row_pairs >= sms;
-  if (bn == 8 && (splits == 1 || (splits == 0 && 4 * row_pairs * n_tiles >= 3 * sms))) return false;  // unsplit
+  if (bn == 8 && (splits == 1 || (splits == 0 && pairs_near_a_wave(row_pairs, n_tiles, sms)))) return false;  // unsplit
   if (bn == 16 && bits >= 4) return true;
   // 1 and 2 bits: pairs where their splits keep >= 16 stages.
   const int s = splits > 0 ? splits
@@ -163,7 +168,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     // 2-bit at N = 32 +2-3%. use_row_pairs still judges 1 and 2 bits by the split rule's
     // stages: at N = 16 they run unpaired on those layers (2-bit 14336x4096 21.2 us; paired
     // and unsplit 23.3).
-    else if (pairs && 4 * p.row_blocks * p.n_tiles >= 3 * sms) splits = 1;
+    else if (pairs && pairs_near_a_wave(p.row_blocks, p.n_tiles, sms)) splits = 1;
     else splits = choose_splits(p.row_blocks * p.n_tiles, sms, sms * resident, total_iters);
   }
   p.variant = splits < 0 ? kLowbitBalanced : tiled;

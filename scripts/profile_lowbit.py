@@ -39,7 +39,7 @@ for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:
     out = torch.empty(1, m, device=dev).half()
     wrapper = lambda: spinfer.lowbit_mm(x, q)  # noqa: E731
     direct = lambda: torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, q.group_size, m, k,  # noqa
-                                                     None, None, out=out)
+                                                     None, None, 0, q.integer_zeros, out=out)
     dense = lambda: F.linear(x, w)  # noqa: E731
     if not quick:
         print(f"{m}x{k} {bits}-bit g{group} N=1: host us/call wrapper {host_time(wrapper):.1f}, direct op "
@@ -54,7 +54,7 @@ for m, k in [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336)]:
         xn = torch.randn(n, k, device=dev).half()
         on = torch.empty(n, m, device=dev).half()
         run = lambda: torch.ops.spinfer.lowbit_mm_out(xn, q.qweight, q.scale_zero, bits, q.group_size, m, k,  # noqa
-                                                      None, None, out=on)
+                                                      None, None, 0, q.integer_zeros, out=on)
         t = {}
         for flag in ("0", "1", "0", "1"):  # interleaved, last of each kept: same process, warm
             os.environ["SPINFER_LOWBIT_XSUM"] = flag

@@ -45,6 +45,9 @@ for bits in (1, 2, 4, 8):
             x = torch.randn(n, k, device="cuda").to(dt)
             out = torch.empty(n, m, device="cuda", dtype=dt)
             spinfer.lowbit_mm(x, q, torch.randn(m, device="cuda").to(dt), out=out)
+            # the launch that checks each segment's zeros (lowbit_mm passes integer_zeros=True here)
+            torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, q.group_size, m, k, None, None, 0,
+                                            False, out=out)
 # row pairs (128-row blocks): a last pair without its second row block (M = 4097, 70), split and not
 os.environ["SPINFER_LOWBIT_PAIRS"] = "1"
 for bits in (1, 2, 4, 8):

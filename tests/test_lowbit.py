@@ -7,7 +7,7 @@ import torch
 
 import spinfer
 from spinfer.quant import LowBitWeight, pack, unpack
-from spinfer.quant.lowbit import fragment_order, pack_bits, unpack_bits
+from spinfer.quant.lowbit import exact_integer_zeros, fragment_order, pack_bits, unpack_bits
 from tests.conftest import rel_err
 
 BITS = [1, 2, 4, 8]
@@ -200,14 +200,39 @@ def test_state_dict_repr_storage_and_empty_batch():
 def test_op_registration_and_compile():
     q = LowBitWeight.quantize(torch.randn(40, 256).half(), 4, 64)
     x = torch.randn(3, 256).half()
-    args = (x, q.qweight, q.scale_zero, 4, 64, 40, 256, None, None)
-    torch.library.opcheck(torch.ops.spinfer.lowbit_mm.default, args, test_utils=("test_schema", "test_faketensor"))
+    for args in ((x, q.qweight, q.scale_zero, 4, 64, 40, 256, None, None),
+                 (x, q.qweight, q.scale_zero, 4, 64, 40, 256, None, None, 0, True)):
+        torch.library.opcheck(torch.ops.spinfer.lowbit_mm.default, args, test_utils=("test_schema", "test_faketensor"))
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(x):
         return spinfer.lowbit_mm(x, q) + 1
 
     assert rel_err(f(x), x.double() @ q.dequantize().double().t() + 1) <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_integer_zeros_are_those_the_kernel_subtracts_exactly(dtype):
+    """LowBitWeight.integer_zeros lets the fused kernel skip its zero-point check, so it must be
+    false for any zero outside the set that check accepts: integers with magic + z exact in the
+    dtype (fp16 [-1024, 1023], bf16 [-128, 127], bf16 at 8 bits only 0)."""
+    lim = 1024 if dtype == torch.float16 else 128
+
+    def flag(zero, bits=4):
+        sz = torch.stack((torch.ones(len(zero)), torch.tensor(zero, dtype=torch.float32)), -1)
+        return exact_integer_zeros(sz[:, None].to(dtype), bits)
+
+    assert flag([0.0, 3.0, lim - 1.0, -float(lim)])
+    for bad in (0.5, -2.25, float(lim), -lim - 1.0, 3 * lim, float("nan"), float("inf"), -float("inf")):
+        assert not flag([1.0, bad]), bad
+    assert flag([0.0, 0.0], bits=8)
+    assert flag([5.0], bits=8) == (dtype == torch.float16)  # bf16 8-bit decodes 128 + q: only z = 0
+    for bits in BITS:  # RTN stores integer zeros in [0, 2^bits - 1]
+        q = LowBitWeight.quantize(torch.randn(70, 512).to(dtype), bits, 64)
+        assert q.integer_zeros == (dtype == torch.float16 or bits < 8 or not bool(q.zeros.any())), bits
+    frac = LowBitWeight.from_hqq(torch.randint(0, 16, (8, 256)), torch.rand(8, 4).to(dtype),
+                                 (torch.rand(8, 4) * 15 + 0.1).to(dtype), 4, 64, (8, 256))
+    assert frac._integer_zeros is None and not frac.integer_zeros and frac._integer_zeros is False  # cached
 
 
 def test_structure_only_check_skips_the_permutation_content():
@@ -228,7 +253,7 @@ def test_out_variant_on_cpu_writes_the_reference():
     out = torch.full((3, 40), float("nan")).half()
     assert spinfer.lowbit_mm(x, q, out=out) is not None
     assert rel_err(out, x.double() @ q.dequantize().double().t()) <= 2e-3
-    args = (x, q.qweight, q.scale_zero, 4, 64, 40, 256, None, None)
+    args = (x, q.qweight, q.scale_zero, 4, 64, 40, 256, None, None, 0, True)
     torch.library.opcheck(torch.ops.spinfer.lowbit_mm_out.default, args, {"out": torch.empty(3, 40).half()},
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="out must be"):

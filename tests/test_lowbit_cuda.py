@@ -352,6 +352,55 @@ def test_zero_points_at_the_edges_of_the_integer_path(dtype):
         assert float(err.max()) <= TOL[dtype], (bits, [edges[int(i) // 16] for i in (err > TOL[dtype]).nonzero()])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_integer_zeros_flag_skips_only_the_check(dtype):
+    """integer_zeros=True, which lowbit_mm passes for weights whose zeros LowBitWeight has checked
+    (RTN, GPTQ), drops the kernel's per-segment zero check. On zeros that pass that check both
+    launches must compute the same thing, bit for bit, at every width, a two-segment group size
+    (64) and each token tile."""
+    m, k = 333, 1280
+    for bits in BITS:
+        if dtype == torch.bfloat16 and bits == 8:  # that decode takes z = 0 only
+            q = LowBitWeight.from_hqq(torch.randint(0, 256, (m, k), device="cuda"),
+                                      (torch.rand(m, k // 64, device="cuda") * 0.02).to(dtype),
+                                      torch.zeros(m, k // 64, device="cuda", dtype=dtype), 8, 64, (m, k))
+        else:
+            q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, 64)
+        assert q.integer_zeros, bits
+        for n in (1, 16, 40):
+            x = torch.randn(n, k, device="cuda").to(dtype)
+            outs = []
+            for flag in (False, True):
+                out = torch.full((n, m), float("nan"), device="cuda", dtype=dtype)
+                torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, 64, m, k, None, None, 0, flag,
+                                                out=out)
+                assert not bool(out.isnan().any()), (bits, n, flag)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (bits, n)
+            assert rel_err(outs[1], reference(x, q)) <= TOL[dtype], (bits, n)
+
+
+def test_lowbit_mm_learns_the_flag_eagerly_and_never_syncs_while_capturing():
+    """lowbit_mm computes a weight's integer_zeros at its first eager call (one sync) and passes
+    it on; a first call inside a CUDA graph capture must not sync, so it runs the checked path."""
+    x = torch.randn(3, 512, device="cuda").half()
+    spinfer.lowbit_mm(x, LowBitWeight.quantize(torch.randn(64, 512, device="cuda").half(), 4, 128))  # build
+    torch.cuda.synchronize()
+    q = LowBitWeight.quantize(torch.randn(200, 512, device="cuda").half(), 2, 64)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = spinfer.lowbit_mm(x, q)
+    assert q._integer_zeros is None  # not computed during the capture
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, reference(x, q)) <= 2e-3
+    assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q._integer_zeros is True
+    frac = LowBitWeight.from_hqq(torch.randint(0, 4, (200, 512), device="cuda"),
+                                 (torch.rand(200, 8, device="cuda") * 0.02).half(),
+                                 (torch.rand(200, 8, device="cuda") * 3 + 0.1).half(), 2, 64, (200, 512))
+    assert rel_err(spinfer.lowbit_mm(x, frac), reference(x, frac)) <= 2e-3 and frac._integer_zeros is False
+
+
 def test_integer_zero_path_is_exact_up_to_the_output_rounding():
     # RTN weights have integer zeros: A holds q - z exactly, the tensor cores multiply exactly
     # and fp32 accumulates; the scale is applied in fp32. So the output is sum_k (q - z) s x

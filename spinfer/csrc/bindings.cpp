@@ -251,7 +251,7 @@ LowbitGeometry check_lowbit_arrays(const at::Tensor& qweight, const at::Tensor& 
 void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero,
                         int64_t bits, int64_t group_size, int64_t m, int64_t k,
                         const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t splits,
-                        at::Tensor& out) {
+                        bool integer_zeros, at::Tensor& out) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::lowbit_mm_out (CUDA) got x on ", x.device());
   TORCH_CHECK_VALUE(splits >= -1, "splits must be >= -1 (0: the planner's choice, -1: the balanced schedule), got ",
                     splits);
@@ -315,6 +315,9 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   a.bf16 = bf16;
   const char* force_xsum = std::getenv("SPINFER_LOWBIT_XSUM");
   a.force_xsum = force_xsum != nullptr && force_xsum[0] == '1';
+  // The caller's word (LowBitWeight.integer_zeros checked it once): a zero outside the fast
+  // decode's set then gives wrong values, but no access depends on it.
+  a.integer_zeros = integer_zeros && !a.force_xsum;
   a.rotate = lowbit_rotate();
   C10_CUDA_CHECK(lowbit_mm_run(a, plan, at::cuda::getCurrentCUDAStream()));
 }

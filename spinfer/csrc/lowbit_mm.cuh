@@ -450,102 +450,114 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
         sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] & 0xffffu));
       }
       // The common case, integer zero points (RTN, GPTQ), decoded in the weight dtype for both
-      // rows at once: with z clamped to integer_zero's range, zc = magic + z and zc - magic are
-      // exact, and give back z exactly when z is an integer inside that range, i.e. when
-      // integer_zero(z) == z. Against converting each zero to fp32, rounding and clamping it
-      // (SASS: ~25 instructions per segment; 2-bit g64 has two segments per 8 k16 tiles), this
-      // is ~10. Any other zero takes the fp32 decode below, and its segment the x-sum path.
+      // rows at once: zc = magic + z, exact for the zeros integer_zero keeps as they are.
+      // args.integer_zeros says the host checked that every zero of the layer is one of those
+      // (LowBitWeight.integer_zeros); otherwise, with z clamped to integer_zero's range, zc and
+      // zc - magic are exact and give back z exactly when integer_zero(z) == z, and a warp whose
+      // segment holds any other zero takes the fp32 decode and the x-sum path below. Against
+      // converting each zero to fp32, rounding and clamping it (SASS: ~25 instructions per
+      // segment), the check is ~10; skipping it (clamp, compare, vote) measured 4-5% faster at 1
+      // and 2 bits (geomean; up to 8%), where a stage has two segments (docs/quant.md).
       const uint32_t zz = ptx::prmt(sz[0], sz[1], 0x7632);  // {z row g, z row g + 8}
-      uint32_t zc2;
-      bool exact;
-      if constexpr (kBF16 && BITS == 8) {  // integer_zero is 0 here: only z == 0 is exact
-        zc2 = Num<kBF16>::kMagic;
-        exact = Num<kBF16>::equal(zz, 0u);
-      } else {
-        using N = Num<kBF16>;
-        zc2 = N::add(N::clamp(zz, N::splat(N::kZeroLo), N::splat(N::kZeroHi)), N::kMagic);
-        exact = Num<kBF16>::equal(Num<kBF16>::sub(zc2, Num<kBF16>::kMagic), zz);
-      }
+      // The segment from its zc2 (see above) on; sum_path: its zeros go through sum(x). Each call
+      // passes its own zc2 and the lambda is inlined, so the integer_zeros copy has no check.
+      auto segment = [&](const uint32_t zc2, const bool sum_path) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
-      if constexpr (kInPlace<kBF16, BITS>) {  // zo = kOddBias - zc, e.g. fp16 4-bit -64 - z = 960 - (1024 + z)
+        for (int h = 0; h < 2; ++h) zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
+        if constexpr (kInPlace<kBF16, BITS>) {  // zo = kOddBias - zc, e.g. fp16 4-bit -64 - z = 960 - (1024 + z)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) zo[h] = Num<kBF16>::sub(Num<kBF16>::splat(kOddBias<kBF16, BITS>), zc[h]);
-      }
-      float part[BN / 8][4];
-#pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
-      // The segment's tiles, with or without the x-sum mma. Both calls below pass a constant
-      // and the lambda is inlined, so each branch is straight-line code without the test.
-      float xsum[kXTiles][4];  // written and read only by the x-sum branch
-      auto tiles = [&](const bool with_xsum) {
-#pragma unroll
-        for (int tile = jj * (kTiles / kSegs); tile < (jj + 1) * (kTiles / kSegs); ++tile) {  // of the group's
-          const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
-          uint32_t a[4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0, zc[h], zo[h]);
-            a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1, zc[h], zo[h]);
-          }
-          uint32_t b[BN / 8][2];
-#pragma unroll
-          for (int nb = 0; nb < BN / 8; ++nb) {
-            // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
-            const uint2 v =
-                *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * (tile0 + tile)) * 2);
-            b[nb][0] = v.x, b[nb][1] = v.y;
-            ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
-          }
-          if (with_xsum) {
-#pragma unroll
-            for (int p = 0; p < kXTiles; ++p) {
-              // A = x rows (tokens 16p + g and 16p + 8 + g): exactly the B fragments just loaded.
-              const uint32_t hi0 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][0] : 0u;
-              const uint32_t hi1 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][1] : 0u;
-              const uint32_t ax[4] = {b[2 * p % (BN / 8)][0], hi0, b[2 * p % (BN / 8)][1], hi1};
-              ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
-            }
-          }
+          for (int h = 0; h < 2; ++h) zo[h] = Num<kBF16>::sub(Num<kBF16>::splat(kOddBias<kBF16, BITS>), zc[h]);
         }
-      };
-      // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
-      if (__any_sync(0xffffffffu, !exact) || args.force_xsum) {
-        float zf[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] >> 16));
-          const float zi = integer_zero<kBF16, BITS>(z);
-          zf[h] = z - zi;
-          zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
-          zo[h] = Num<kBF16>::splat(kOddBias<kBF16, BITS> - Num<kBF16>::kMagicValue - zi);  // kInPlace only
-        }
-#pragma unroll
-        for (int p = 0; p < kXTiles; ++p)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xsum[p][e] = 0.f;
-        tiles(true);
-        // Segment end: acc += s * part - s * (z - zi) * xsum, per row h and token.
-        const float cz[2] = {sc[0] * zf[0], sc[1] * zf[1]};
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb) {
-          // Token nb*8 + 2t + e's sum sits in xsum[nb/2] row (nb%2)*8 + 2t + e, column 0: lane
-          // 4*(2t+e), register 0 (rows 0-7) or 2 (rows 8-15).
-          float xt[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) xt[e] = __shfl_sync(0xffffffffu, xsum[nb / 2][(nb % 2) * 2], 4 * (2 * t + e));
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc[nb][e] = fmaf(sc[e / 2], part[nb][e], fmaf(-cz[e / 2], xt[e % 2], acc[nb][e]));
-        }
-      } else {
-        tiles(false);
+        float part[BN / 8][4];
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(sc[e / 2], part[nb][e], acc[nb][e]);
+          for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
+        // The segment's tiles, with or without the x-sum mma. Both calls below pass a constant
+        // and the lambda is inlined, so each branch is straight-line code without the test.
+        float xsum[kXTiles][4];  // written and read only by the x-sum branch
+        auto tiles = [&](const bool with_xsum) {
+#pragma unroll
+          for (int tile = jj * (kTiles / kSegs); tile < (jj + 1) * (kTiles / kSegs); ++tile) {  // of the group's
+            const int wi = tile / kTilesPerWord, s0 = 2 * (tile % kTilesPerWord);
+            uint32_t a[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              a[h] = unpack_pair<kBF16, BITS>(w[h][wi], s0, zc[h], zo[h]);
+              a[h + 2] = unpack_pair<kBF16, BITS>(w[h][wi], s0 + 1, zc[h], zo[h]);
+            }
+            uint32_t b[BN / 8][2];
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb) {
+              // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
+              const uint2 v =
+                  *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * (tile0 + tile)) * 2);
+              b[nb][0] = v.x, b[nb][1] = v.y;
+              ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
+            }
+            if (with_xsum) {
+#pragma unroll
+              for (int p = 0; p < kXTiles; ++p) {
+                // A = x rows (tokens 16p + g and 16p + 8 + g): exactly the B fragments just loaded.
+                const uint32_t hi0 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][0] : 0u;
+                const uint32_t hi1 = BN >= 16 ? b[(2 * p + 1) % (BN / 8)][1] : 0u;
+                const uint32_t ax[4] = {b[2 * p % (BN / 8)][0], hi0, b[2 * p % (BN / 8)][1], hi1};
+                ptx::mma_m16n8k16<kBF16>(xsum[p], ax, kOnes, kOnes);
+              }
+            }
+          }
+        };
+        if (sum_path) {
+          float zf[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] >> 16));
+            const float zi = integer_zero<kBF16, BITS>(z);
+            zf[h] = z - zi;
+            zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
+            zo[h] = Num<kBF16>::splat(kOddBias<kBF16, BITS> - Num<kBF16>::kMagicValue - zi);  // kInPlace only
+          }
+#pragma unroll
+          for (int p = 0; p < kXTiles; ++p)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xsum[p][e] = 0.f;
+          tiles(true);
+          // Segment end: acc += s * part - s * (z - zi) * xsum, per row h and token.
+          const float cz[2] = {sc[0] * zf[0], sc[1] * zf[1]};
+#pragma unroll
+          for (int nb = 0; nb < BN / 8; ++nb) {
+            // Token nb*8 + 2t + e's sum sits in xsum[nb/2] row (nb%2)*8 + 2t + e, column 0: lane
+            // 4*(2t+e), register 0 (rows 0-7) or 2 (rows 8-15).
+            float xt[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) xt[e] = __shfl_sync(0xffffffffu, xsum[nb / 2][(nb % 2) * 2], 4 * (2 * t + e));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc[nb][e] = fmaf(sc[e / 2], part[nb][e], fmaf(-cz[e / 2], xt[e % 2], acc[nb][e]));
+          }
+        } else {
+          tiles(false);
+#pragma unroll
+          for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(sc[e / 2], part[nb][e], acc[nb][e]);
+        }
+      };
+      if (args.integer_zeros) {  // uniform over the launch; a copy of the segment without the check
+        segment(kBF16 && BITS == 8 ? Num<kBF16>::kMagic : Num<kBF16>::add(zz, Num<kBF16>::kMagic), false);
+      } else {
+        uint32_t zc2;
+        bool exact;
+        if constexpr (kBF16 && BITS == 8) {  // integer_zero is 0 here: only z == 0 is exact
+          zc2 = Num<kBF16>::kMagic;
+          exact = Num<kBF16>::equal(zz, 0u);
+        } else {
+          using N = Num<kBF16>;
+          zc2 = N::add(N::clamp(zz, N::splat(N::kZeroLo), N::splat(N::kZeroHi)), N::kMagic);
+          exact = N::equal(N::sub(zc2, N::kMagic), zz);
+        }
+        // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
+        segment(zc2, __any_sync(0xffffffffu, !exact) || args.force_xsum);
       }
     }
   };

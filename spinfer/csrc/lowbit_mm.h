@@ -23,6 +23,7 @@ struct LowbitArgs {
   int bits;
   bool bf16;
   bool force_xsum;         // apply every zero point through sum(x) (SPINFER_LOWBIT_XSUM=1: A/B runs, tests)
+  bool integer_zeros;      // every zero is exact in the fast decode (LowBitWeight.integer_zeros): skip its check
   int rotate;              // stage-order rotation (kLowbitRotate; SPINFER_LOWBIT_ROTATE overrides, 0: off)
   // Set by the launch from the plan (kernel arguments live in the constant bank, not in the
   // loop's registers): rows from tail_first on are split tail_splits ways, tail_iters stages each.

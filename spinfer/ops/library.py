@@ -29,10 +29,12 @@ LIB.define("spmm_plan(Tensor x, int m, int k, int max_run, int splits=0) -> int[
 # Weight-only low-bit matmul: y = x @ dequantize(W).T + bias (spinfer/quant/lowbit.py layout).
 _LOWBIT_ARGS = (
     "Tensor x, Tensor qweight, Tensor scale_zero, int bits, int group_size, "
-    "int m, int k, Tensor? perm=None, Tensor? bias=None, int splits=0"
+    "int m, int k, Tensor? perm=None, Tensor? bias=None, int splits=0, bool integer_zeros=False"
 )
 # Picks the fused kernel or dequantize-then-cuBLAS by N (spinfer/ops/lowbit_mm.py). splits: the
-# fused kernel's split-K factor, as for spmm.
+# fused kernel's split-K factor, as for spmm. integer_zeros: the caller has checked that every zero
+# point is one the fused kernel decodes exactly without its per-segment check
+# (LowBitWeight.integer_zeros); False is always correct.
 LIB.define(f"lowbit_mm({_LOWBIT_ARGS}) -> Tensor")
 # Always the fused kernel on CUDA, into a caller-provided [N, M] buffer.
 LIB.define(f"lowbit_mm_out({_LOWBIT_ARGS}, *, Tensor(a!) out) -> ()")

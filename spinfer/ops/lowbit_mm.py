@@ -47,19 +47,22 @@ def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias):
 
 
 @torch.library.register_fake("spinfer::lowbit_mm")
-def _lowbit_mm_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0):
+def _lowbit_mm_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0,
+                    integer_zeros=False):
     check_op_inputs(x, scale_zero, m, k, bias)
     if x.device.type == "cuda" and x.shape[0] <= fused_max_n(bits):
         build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
 
-def _lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0):
+def _lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0,
+                   integer_zeros=False):
     LowBitWeight(qweight, None, None, bits, group_size, (m, k), perm, scale_zero=scale_zero)  # validates
     return _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias)
 
 
-def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0):
+def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0,
+                    integer_zeros=False):
     # O(1) checks only: the permutation check would sync the device on every call. A perm that
     # is not a permutation gathers wrong columns but never reads out of bounds (index_select).
     LowBitWeight(qweight, None, None, bits, group_size, (m, k), perm, validate=False, scale_zero=scale_zero)
@@ -71,17 +74,20 @@ def _lowbit_mm_cuda(x, qweight, scale_zero, bits, group_size, m, k, perm=None, b
         return F.linear(x if perm is None else x.index_select(1, perm), w, bias)
     check_op_inputs(x, scale_zero, m, k, bias)
     out = x.new_empty((x.shape[0], m))
-    torch.ops.spinfer.lowbit_mm_out(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, splits, out=out)
+    torch.ops.spinfer.lowbit_mm_out(x, qweight, scale_zero, bits, group_size, m, k, perm, bias, splits, integer_zeros,
+                                    out=out)
     return out
 
 
 @torch.library.register_fake("spinfer::lowbit_mm_out")
-def _lowbit_mm_out_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0, *, out):
+def _lowbit_mm_out_fake(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0,
+                        integer_zeros=False, *, out):
     check_op_inputs(x, scale_zero, m, k, bias)
     check_out(out, x, m)
 
 
-def _lowbit_mm_out_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0, *, out):
+def _lowbit_mm_out_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm=None, bias=None, splits=0,
+                       integer_zeros=False, *, out):
     check_out(out, x, m)
     out.copy_(_lowbit_mm_cpu(x, qweight, scale_zero, bits, group_size, m, k, perm, bias))
 
@@ -111,7 +117,15 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     build.load_for(x2)  # JIT-compiles the kernels on first use, then cached
     if splits is None:
         splits = tuning.lowbit_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
-    args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits)
+    # Whether the kernel may skip its zero-point check: computed at the weight's first eager CUDA
+    # call (one sync) and cached. A graph captured or compiled before then takes the checked
+    # path, which is as exact, rather than sync there.
+    integer_zeros = False
+    if x2.is_cuda:
+        capturing = torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+        integer_zeros = bool(weight._integer_zeros) if capturing else weight.integer_zeros
+    args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits,
+            integer_zeros)
     if out is not None:
         check_out(out, x2, m)
         if x2.shape[0]:

@@ -121,6 +121,21 @@ def stage_cols(bits: int) -> int:
     return 128 if bits == 8 else 256
 
 
+def exact_integer_zeros(scale_zero: torch.Tensor, bits: int) -> bool:
+    """Whether every zero of ``scale_zero`` ``[M, K/g, 2]`` is an integer ``z`` that the fused
+    kernel subtracts inside the tensor-core fragments (``integer_zero`` in
+    spinfer/csrc/lowbit_mm.cuh): ``magic + z`` must be exact in the weight dtype (magic 1024 in
+    fp16, 128 in bf16), so ``z`` in [-1024, 1023] (fp16) or [-128, 127] (bf16), and ``z = 0`` at 8
+    bits in bf16, where ``128 + q`` already fills bf16's exact integers. With this true the
+    kernel skips the per-segment check that sends any other zero through its sum(x) path."""
+    z = scale_zero[..., 1].float()
+    if scale_zero.dtype == torch.float16:
+        lo, hi = -1024.0, 1023.0
+    else:
+        lo, hi = (0.0, 0.0) if bits == 8 else (-128.0, 127.0)
+    return bool(((z == torch.round(z)) & (z >= lo) & (z <= hi)).all())
+
+
 def qweight_shape(m: int, k: int, bits: int) -> Tuple[int, int, int, int]:
     sc = stage_cols(bits)
     return (-(-m // ROW_BLOCK), padded_k(k) // sc, ROW_BLOCK, sc * bits // 32)
@@ -210,6 +225,7 @@ class LowBitWeight:
         elif scales is not None or zeros is not None:
             raise ValueError("pass scales and zeros, or scale_zero, not both")
         self.qweight, self.scale_zero, self.perm = qweight, scale_zero, perm
+        self._integer_zeros: Optional[bool] = None  # integer_zeros, once computed
         if validate:
             self.validate()
         else:
@@ -374,6 +390,16 @@ class LowBitWeight:
     @property
     def device(self) -> torch.device:
         return self.qweight.device
+
+    @property
+    def integer_zeros(self) -> bool:
+        """Whether every zero point is one the fused kernel subtracts exactly with no check of
+        its own (:func:`exact_integer_zeros`): true of RTN and GPTQ weights, false of HQQ's
+        fractional zeros. Computed on first use (one device sync) and cached, so treat the
+        arrays as read-only once the weight is built."""
+        if self._integer_zeros is None:
+            self._integer_zeros = exact_integer_zeros(self.scale_zero, self.bits)
+        return self._integer_zeros
 
     def storage_bytes(self) -> LowBitStorage:
         def size(t):

@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
       RB == 2 && RB * row_first + 1 < row_blocks ? static_cast<int64_t>(total_iters) * kBlockRows * kRowBytes : 0;
   const unsigned char* w_src =
       reinterpret_cast<const unsigned char*>(args.qweight) +
-      (static_cast<int64_t>(RB * row_first) * total_iters + it_begin + rot) * kBlockRows * kRowBytes +
+      (static_cast<int64_t>(RB * row_first) * total_iters + it_begin) * kBlockRows * kRowBytes +
       (tid % kWTileSlots) * 16 + (tid / kWTileSlots) * rb_stride;
   constexpr int kSzSlots = kTileRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
   constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
@@ -354,52 +354,60 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
                       (static_cast<int64_t>(n0 + x_row) * args.kp + (tid % kXPieces) * 8) * 2;  // column 0
   const int64_t x_step = static_cast<int64_t>(kXRowStep) * args.kp * 2;  // bytes between a thread's x rows
 
-  // issue_w(st) and issue_x(st) fill the stage buffer at shared address st with the next
-  // stage's weights and scales, and its activations: separate, so the first stages' weights
-  // can be requested before griddep_wait (launch.cuh). Stages are issued in order, so the
-  // sources are cursors that advance by one stage per call rather than addresses recomputed
-  // from the stage number (SASS: a third of the ~55 instructions that every thread spent per
-  // stage on copies was that arithmetic). The weights are one stream; at the end of a row block
-  // the activation and scale cursors go back to column 0 of the next one.
-  const unsigned char* w_next = w_src;
-  const char* x_next = x_src + (it_begin + rot) * L::kCols * 2;
-  int col_next = (it_begin + rot) * L::kCols;  // first column of the next weight stage
-  int w_left = iters - rot, x_left = iters - rot;  // stages before the cursors wrap (rotate)
-  int row_next = row_first;            // its row block
-  int x_stage = it_begin;              // stage in its row of the next activation slice
-  auto issue_w = [&](const uint32_t st) {
+  // issue_w(st, idx) and issue_x(st, idx) fill the stage buffer at shared address st with the
+  // next stage's weights and scales, and its activations: separate, so the first stages' weights
+  // can be requested before griddep_wait (launch.cuh). Stages are issued in order. Without
+  // CROSS a block's range is iters stages from it_begin, issued from stage rot on and wrapping
+  // (kLowbitRotate): the next stage is stage idx of the range, a 32-bit index that wraps with a
+  // compare (next_idx), and a source is its base plus idx stages, one IMAD.WIDE.
+  // Pointer cursors, which advanced by a stage and wrapped by a 64-bit product, took 48 of the
+  // 213 instructions of a 2-bit BN = 8 stage for its three copies (SASS, twenty-third session).
+  // CROSS ranges cross row blocks: their cursors advance, and at the end of a row block the
+  // activation and scale cursors go back to column 0 of the next one (rot is 0 there).
+  auto next_idx = [&](const int idx) { return idx + 1 == iters ? 0 : idx + 1; };
+  const unsigned char* w_next = w_src;  // CROSS only
+  const char* x_next = x_src + it_begin * L::kCols * 2;  // CROSS: the cursor; else the base
+  int col_next = it_begin * L::kCols;   // first column of the next weight stage (CROSS; else the base)
+  int row_next = row_first;             // its row block (CROSS)
+  int x_stage = it_begin;               // stage in its row of the next activation slice (CROSS)
+  auto issue_w = [&](const uint32_t st, const int idx) {
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
+    const unsigned char* w_at =
+        CROSS ? w_next : w_src + static_cast<uint64_t>(static_cast<uint32_t>(idx)) * (kBlockRows * kRowBytes);
+    const int col0 = CROSS ? col_next : col_next + idx * L::kCols;
 #pragma unroll
     for (int i = 0; i < kWCopies; ++i) {
       if (kWSlots % kThreads != 0 && tid >= kWSlots) break;  // 1-bit with two groups: 128 pieces
       const int c = i * kThreads;  // the round's first slot (unrolled: a constant)
       ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride,
-                          w_next + (c % kWTileSlots) * 16 + (c / kWTileSlots) * rb_stride);
+                          w_at + (c % kWTileSlots) * 16 + (c / kWTileSlots) * rb_stride);
     }
-    w_next += kBlockRows * kRowBytes;
 #pragma unroll
     for (int i = 0; i < kSzCopies; ++i) {
       if (kSzSlots % kThreads != 0 && tid + i * kThreads >= kSzSlots) continue;  // no slot
       // Group of the slot's columns: group sizes are powers of two, and per-channel groups
       // (size K) come with a shift that gives 0; padding columns clamp to the last group.
-      const int col = col_next + sz_col[i];
+      const int col = col0 + sz_col[i];
       const bool ok = sz_row[i] != nullptr && col < args.kp;
       const int grp = min(col >> args.group_shift, args.groups - 1);
       ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
     }
-    col_next += L::kCols;
-    if (CROSS && col_next == args.kp) col_next = 0, sz_rows(++row_next);  // the next row block
-    if (!CROSS && --w_left == 0) w_next -= int64_t(iters) * kBlockRows * kRowBytes, col_next -= iters * L::kCols;
+    if constexpr (CROSS) {
+      w_next += kBlockRows * kRowBytes, col_next += L::kCols;
+      if (col_next == args.kp) col_next = 0, sz_rows(++row_next);  // the next row block
+    }
   };
-  auto issue_x = [&](const uint32_t st) {
+  auto issue_x = [&](const uint32_t st, const int idx) {
+    const char* x_at = CROSS ? x_next : x_next + static_cast<uint64_t>(static_cast<uint32_t>(idx)) * (L::kCols * 2);
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
       if (x_row + i * kXRowStep >= valid_rows) break;  // rows past N stay zero
-      ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, x_next + i * x_step);
+      ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, x_at + i * x_step);
     }
-    x_next += L::kCols * 2;
-    if (CROSS && ++x_stage == total_iters) x_stage = 0, x_next = x_src;
-    if (!CROSS && --x_left == 0) x_next -= int64_t(iters) * L::kCols * 2;
+    if constexpr (CROSS) {
+      x_next += L::kCols * 2;
+      if (++x_stage == total_iters) x_stage = 0, x_next = x_src;
+    }
   };
 
   float acc[BN / 8][4];
@@ -627,14 +635,17 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   auto next = [](int off) { return off + L::kStageBytes == L::kRedOffset ? 0 : off + L::kStageBytes; };
   // The first stages' weights go out before the wait for the previous kernel (programmatic
   // dependent launch), their activations after it; stage st's copies all belong to commit
-  // group st or an earlier one, so the waits below are unchanged.
+  // group st or an earlier one, so the waits below are unchanged. idx: the range's stage that
+  // issue_w copies next (not CROSS); in the loop issue_x copies the same one.
+  int idx = rot;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st)
-    if (st < iters) issue_w(smem_base + st * L::kStageBytes);
+    if (st < iters) issue_w(smem_base + st * L::kStageBytes, idx), idx = next_idx(idx);
   ptx::griddep_wait();
+  int x_idx = rot;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < iters) issue_x(smem_base + wr);
+    if (st < iters) issue_x(smem_base + wr, x_idx), x_idx = next_idx(x_idx);
     ptx::cp_async_commit_group();
     wr = next(wr);
   }
@@ -645,7 +656,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     // buffer the prefetch below overwrites.
     __syncthreads();
     if (i == 0) SPINFER_MARK(1);
-    if (i + kStages - 1 < iters) issue_w(smem_base + wr), issue_x(smem_base + wr);
+    if (i + kStages - 1 < iters) issue_w(smem_base + wr, idx), issue_x(smem_base + wr, idx), idx = next_idx(idx);
     ptx::cp_async_commit_group();
     compute(rd);
     rd = next(rd), wr = next(wr);

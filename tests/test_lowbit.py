@@ -232,7 +232,51 @@ def test_integer_zeros_are_those_the_kernel_subtracts_exactly(dtype):
         assert q.integer_zeros == (dtype == torch.float16 or bits < 8 or not bool(q.zeros.any())), bits
     frac = LowBitWeight.from_hqq(torch.randint(0, 16, (8, 256)), torch.rand(8, 4).to(dtype),
                                  (torch.rand(8, 4) * 15 + 0.1).to(dtype), 4, 64, (8, 256))
-    assert frac._integer_zeros is None and not frac.integer_zeros and frac._integer_zeros is False  # cached
+    assert frac.cached_integer_zeros() is None and not frac.integer_zeros
+    assert frac.cached_integer_zeros() is False  # cached
+
+
+def test_integer_zeros_follow_in_place_edits_and_new_tensors():
+    """A stale True would let the kernel skip the check that fractional zeros need: the cache
+    follows scale_zero's version counter (views share it) and the tensor's identity."""
+    q = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 64)
+    assert q.integer_zeros and q.cached_integer_zeros() is True
+    q.zeros[3, 1] += 0.5  # in place, through the [M, K/g] view
+    assert q.cached_integer_zeros() is None and not q.integer_zeros and q.cached_integer_zeros() is False
+    q.scale_zero[..., 1].round_()
+    assert q.cached_integer_zeros() is None and q.integer_zeros
+    q.scale_zero = torch.stack((q.scales, q.zeros + 0.25), -1)  # another tensor
+    assert q.cached_integer_zeros() is None and not q.integer_zeros
+    sd = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 64).scale_zero
+    q.scale_zero.copy_(sd)  # what load_state_dict does to a module's buffer
+    assert q.cached_integer_zeros() is None and q.integer_zeros
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_gptq_zeros_are_integer_zeros(bits):
+    """GPTQ stores integer zeros (qzeros + 1): imported in fp16, the kernel may skip its check;
+    at 8 bits in bf16 it may not (only z = 0 is exact there)."""
+    qweight, scales, qzeros, _, _ = random_gptq(512, 72, bits, 128, False)
+    q = LowBitWeight.from_gptq(qweight, scales, qzeros, bits=bits, group_size=128)
+    assert q.integer_zeros
+    q16 = LowBitWeight.from_gptq(qweight, scales.bfloat16(), qzeros, bits=bits, group_size=128)
+    assert q16.integer_zeros == (bits < 8)
+
+
+def test_zero_ranges_match_the_kernel():
+    """exact_integer_zeros restates the kernel's exact zero range (Num<kBF16>::kZeroLo/Hi in
+    lowbit_mm.cuh); the two must not drift apart."""
+    import re
+    from pathlib import Path
+
+    src = (Path(spinfer.__file__).parent / "csrc" / "lowbit_mm.cuh").read_text()
+    ranges = re.findall(r"kZeroLo = (-?[0-9.]+)f, kZeroHi = (-?[0-9.]+)f", src)
+    assert len(ranges) == 2, ranges  # fp16, then bf16
+    for (lo, hi), dtype in zip(ranges, (torch.float16, torch.bfloat16)):
+        lo, hi = float(lo), float(hi)
+        sz = torch.tensor([[[1.0, z]] for z in (lo, hi, lo - 1, hi + 1)]).to(dtype)
+        assert exact_integer_zeros(sz[:2], 4) and not exact_integer_zeros(sz[2:3], 4)
+        assert not exact_integer_zeros(sz[3:], 4)
 
 
 def test_structure_only_check_skips_the_permutation_content():

@@ -390,15 +390,44 @@ def test_lowbit_mm_learns_the_flag_eagerly_and_never_syncs_while_capturing():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = spinfer.lowbit_mm(x, q)
-    assert q._integer_zeros is None  # not computed during the capture
+    assert q.cached_integer_zeros() is None  # not computed during the capture
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(y, reference(x, q)) <= 2e-3
-    assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q._integer_zeros is True
+    assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is True
     frac = LowBitWeight.from_hqq(torch.randint(0, 4, (200, 512), device="cuda"),
                                  (torch.rand(200, 8, device="cuda") * 0.02).half(),
                                  (torch.rand(200, 8, device="cuda") * 3 + 0.1).half(), 2, 64, (200, 512))
-    assert rel_err(spinfer.lowbit_mm(x, frac), reference(x, frac)) <= 2e-3 and frac._integer_zeros is False
+    assert rel_err(spinfer.lowbit_mm(x, frac), reference(x, frac)) <= 2e-3 and frac.cached_integer_zeros() is False
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_in_place_zero_edits_take_the_checked_path_again(bits):
+    """A weight whose cached flag said "integer zeros" and whose zeros then turn fractional in
+    place (an HQQ state_dict loaded into a SparseLinear, or any in-place edit) must not launch the
+    unchecked kernel: its output would skip the sum(x) correction."""
+    x = torch.randn(5, 512, device="cuda").half()
+    q = LowBitWeight.quantize(torch.randn(200, 512, device="cuda").half(), bits, 64)
+    assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is True
+    q.zeros.add_(torch.rand_like(q.zeros) * 0.9 + 0.05)  # fractional now
+    assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is False
+    g = torch.cuda.CUDAGraph()
+    q.zeros.add_(0.5)  # a capture after an edit takes the checked path without syncing
+    with torch.cuda.graph(g):
+        y = spinfer.lowbit_mm(x, q)
+    g.replay()
+    assert q.cached_integer_zeros() is None and rel_err(y, reference(x, q)) <= 2e-3
+
+    # The module path: load_state_dict copies into the buffers in place and drops the module's
+    # cached LowBitWeight, so the flag is recomputed either way.
+    lin = torch.nn.Linear(512, 200, bias=False, device="cuda").half()
+    layer = spinfer.nn.SparseLinear.from_linear(lin, quant=f"w{bits}", policy="lowbit")
+    layer(x)  # caches integer zeros
+    sd = {k: v.clone() for k, v in layer.state_dict().items()}
+    sd["scale_zero"][..., 1] += 0.375
+    layer.load_state_dict(sd)
+    w = layer.weight_object()
+    assert rel_err(layer(x), reference(x, w)) <= 2e-3 and w.cached_integer_zeros() is False
 
 
 def test_integer_zero_path_is_exact_up_to_the_output_rounding():

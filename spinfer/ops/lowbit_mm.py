@@ -118,12 +118,16 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     if splits is None:
         splits = tuning.lowbit_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
     # Whether the kernel may skip its zero-point check: computed at the weight's first eager CUDA
-    # call (one sync) and cached. A graph captured or compiled before then takes the checked
-    # path, which is as exact, rather than sync there.
+    # call (one sync) and cached until scale_zero changes. A CUDA graph captured before then (or
+    # after a change) takes the checked path, which is as exact, rather than sync there. So does
+    # torch.compile: dynamo cannot read the version counter that keeps the cache honest, and a
+    # flag baked into a compiled graph would outlive an in-place edit of the zeros.
     integer_zeros = False
-    if x2.is_cuda:
-        capturing = torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
-        integer_zeros = bool(weight._integer_zeros) if capturing else weight.integer_zeros
+    if x2.is_cuda and not torch.compiler.is_compiling():
+        if torch.cuda.is_current_stream_capturing():
+            integer_zeros = bool(weight.cached_integer_zeros())
+        else:
+            integer_zeros = weight.integer_zeros
     args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits,
             integer_zeros)
     if out is not None:

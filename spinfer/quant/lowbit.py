@@ -25,6 +25,7 @@ float32 and rounded once to the weight dtype.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -225,7 +226,9 @@ class LowBitWeight:
         elif scales is not None or zeros is not None:
             raise ValueError("pass scales and zeros, or scale_zero, not both")
         self.qweight, self.scale_zero, self.perm = qweight, scale_zero, perm
-        self._integer_zeros: Optional[bool] = None  # integer_zeros, once computed
+        # integer_zeros, once computed: (the flag, the scale_zero tensor it was computed from,
+        # that tensor's version counter), so in-place edits and a new tensor both invalidate it
+        self._integer_zeros: Optional[Tuple[bool, "weakref.ref[torch.Tensor]", int]] = None
         if validate:
             self.validate()
         else:
@@ -395,11 +398,25 @@ class LowBitWeight:
     def integer_zeros(self) -> bool:
         """Whether every zero point is one the fused kernel subtracts exactly with no check of
         its own (:func:`exact_integer_zeros`): true of RTN and GPTQ weights, false of HQQ's
-        fractional zeros. Computed on first use (one device sync) and cached, so treat the
-        arrays as read-only once the weight is built."""
+        fractional zeros. Computed on first use (one device sync) and cached until ``scale_zero``
+        changes: in place (its version counter, which ``copy_``, ``load_state_dict`` and every
+        in-place op bump) or by assigning another tensor. Writes through ``scale_zero.data``
+        bypass the version counter and are not seen."""
+        cached = self.cached_integer_zeros()
+        if cached is None:
+            cached = exact_integer_zeros(self.scale_zero, self.bits)
+            self._integer_zeros = (cached, weakref.ref(self.scale_zero), self.scale_zero._version)
+        return cached
+
+    def cached_integer_zeros(self) -> Optional[bool]:
+        """:attr:`integer_zeros` if it was computed for ``scale_zero`` as it is now, else None;
+        never syncs (what a CUDA graph capture or a compiled graph may ask)."""
         if self._integer_zeros is None:
-            self._integer_zeros = exact_integer_zeros(self.scale_zero, self.bits)
-        return self._integer_zeros
+            return None
+        flag, ref, version = self._integer_zeros
+        if ref() is not self.scale_zero or version != self.scale_zero._version:
+            return None
+        return flag
 
     def storage_bytes(self) -> LowBitStorage:
         def size(t):

@@ -25,8 +25,8 @@ if [[ " $steps " == *" tests "* ]]; then
     tail -15 "$OUT/tests.log"
 fi
 if [[ " $steps " == *" tests-cp-async "* ]]; then
-    # the sm_80 loader, forced on this GPU so it is exercised too
-    SPINFER_LOADER=cp_async python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_spmm_cuda.py \
+    # the sm_80 loaders (SMBD, and the low-bit kernel at 4 and 8 bits), forced on this GPU so they are exercised too
+    SPINFER_LOADER=cp_async python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_spmm_cuda.py tests/test_lowbit_cuda.py \
         >"$OUT/tests-cp-async.log" 2>&1 || status=1
     tail -3 "$OUT/tests-cp-async.log"
 fi

@@ -50,6 +50,37 @@ def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype):
         assert rel_err(spinfer.lowbit_mm(x, q), ref) <= TOL[dtype], f"N={n} (dispatch)"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_bulk_weight_copies_equal_the_cp_async_loader(bits, dtype, monkeypatch):
+    """On sm_90 the 4- and 8-bit kernels take each stage's weight tiles in one bulk copy and read
+    them unswizzled (LowbitPlan::bulk_weights); SPINFER_LOADER=cp_async keeps the 16-byte copies
+    into swizzled rows, the loader sm_80 runs. Same accumulation order, so the outputs must be
+    equal bit for bit, on every schedule: one block per row block with the split tail rows,
+    split-K, row pairs (odd count), the balanced schedule; and both match the reference."""
+    bulk_device = torch.cuda.get_device_capability()[0] >= 9
+    for m, k, group in ((4097, 1792, 128), (333, 1280, 64)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
+        b = torch.randn(m, device="cuda").to(dtype)
+        for splits, pairs in (("0", None), ("3", "0"), ("1", "1"), ("-1", "0")):
+            monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
+            if pairs is None:
+                monkeypatch.delenv("SPINFER_LOWBIT_PAIRS", raising=False)
+            else:
+                monkeypatch.setenv("SPINFER_LOWBIT_PAIRS", pairs)
+            for n in (1, 9, 32):
+                x = torch.randn(n, k, device="cuda").to(dtype)
+                outs = {}
+                for loader in ("bulk", "cp_async"):
+                    monkeypatch.setenv("SPINFER_LOADER", loader)
+                    plan = lowbit_plan(q, n, dtype=dtype)
+                    assert plan["bulk_weights"] == (bulk_device and bits >= 4 and loader == "bulk"), plan
+                    outs[loader] = fused(x, q, b)
+                label = f"M={m} splits={splits} pairs={pairs} N={n}"
+                assert torch.equal(outs["bulk"], outs["cp_async"]), label
+                assert rel_err(outs["bulk"], reference(x, q, b)) <= TOL[dtype], label
+
+
 @pytest.mark.parametrize("splits", ["1", "2", "7"])
 def test_forced_split_k_and_large_m(splits, monkeypatch):
     monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)

@@ -114,6 +114,17 @@ template <int BITS>
 __host__ __device__ constexpr int weight_row_bytes() {
   return (BITS == 8 ? 1 : 2) * 128 * BITS / 8;
 }
+// With LowbitPlan::bulk_weights (sm_90, BITS >= kBulkBits) a stage's weight tile arrives as one
+// bulk copy of the format's rows as they are, unswizzled: the 2-way bank conflicts of the 4- and
+// 8-bit loads (rows g and g + 1 of a phase on the same banks) cost less than the 16-byte copies
+// from every thread. H100, two builds, processes interleaved, four issue shapes x N = 1 / 8 / 16 /
+// 32, geomean x cuBLAS: 4-bit g128 2.297 -> 2.52x (unswizzled) and 2.56x (a probe that kept the
+// swizzled reads over unswizzled data: wrong results, conflict-free timing), 8-bit 1.554 -> 1.686
+// / 1.708x. At 1 and 2 bits, which issue one copy or less per thread and stage and are bound by
+// instruction issue, the bulk copy and its mbarrier wait measured 2.8% / 0.8% slower (N = 1:
+// -4 to -8%), so they keep cp.async (docs/quant.md, twenty-fourth session).
+constexpr int kBulkBits = 4;
+
 template <int BITS>
 __device__ __forceinline__ int piece_swizzle(int r) {
   if constexpr (BITS == 8) return r & 1;
@@ -219,11 +230,12 @@ __device__ __forceinline__ float integer_zero(float z) {
   return fminf(fmaxf(rintf(z), Num<kBF16>::kZeroLo), Num<kBF16>::kZeroHi);
 }
 
-// A lane's NW words (all BITS of a chunk, or half of them) at byte `offset` of swizzled row `r`
-// (whose first byte is `row`).
+// A lane's NW words (all BITS of a chunk, or half of them) at byte `offset` of row `r` (whose
+// first byte is `row`), swizzled or (bulk copies) as the format stores it.
 template <int BITS, int NW>
-__device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned char* row, int r, int offset) {
-  const int sw = piece_swizzle<BITS>(r);
+__device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned char* row, int r, int offset,
+                                           bool swizzled) {
+  const int sw = swizzled ? piece_swizzle<BITS>(r) : 0;
   auto at = [&](int o) { return row + (((o >> 4) ^ sw) << 4) + (o & 15); };
   if constexpr (NW >= 4) {
 #pragma unroll
@@ -263,6 +275,17 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 
   const int tid = threadIdx.x, warp = tid / 32 % kWarps, lane = tid % 32;
   const int group = tid / (32 * kWarps);  // the warp group: which half of each stage it takes
+  // Bulk weight copies (LowbitPlan::bulk_weights; compiled only where kBulkBits allows): stage
+  // buffer s's tile lands on s_full[s]. Thread 0 initializes the barriers and issues every copy;
+  // the other threads first wait on them after the main loop's first block barrier, which
+  // orders the initialization before that.
+  const bool bulk = BITS >= kBulkBits && args.bulk_weights;
+  __shared__ __align__(8) uint64_t s_full[kStages];
+  if (bulk && tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(&s_full[s], 1);
+    ptx::fence_mbarrier_init();
+  }
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * BN;
   const int valid_rows = min(BN, args.n - n0);
@@ -375,12 +398,25 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     const unsigned char* w_at =
         CROSS ? w_next : w_src + static_cast<uint64_t>(static_cast<uint32_t>(idx)) * (kBlockRows * kRowBytes);
     const int col0 = CROSS ? col_next : col_next + idx * L::kCols;
+    if (bulk) {
+      if (tid == 0) {  // w_at is thread 0's slot: the tile's first byte
+        const uint32_t off = st - ptx::smem_addr(smem);
+        uint64_t* bar = &s_full[off / L::kStageBytes];
+        ptx::fence_proxy_async_shared();  // the block's reads of this buffer come before the copy
+        ptx::mbarrier_arrive_expect_tx(bar, RB * kBlockRows * kRowBytes);
 #pragma unroll
-    for (int i = 0; i < kWCopies; ++i) {
-      if (kWSlots % kThreads != 0 && tid >= kWSlots) break;  // 1-bit with two groups: 128 pieces
-      const int c = i * kThreads;  // the round's first slot (unrolled: a constant)
-      ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride,
-                          w_at + (c % kWTileSlots) * 16 + (c / kWTileSlots) * rb_stride);
+        for (int r = 0; r < RB; ++r)
+          ptx::cp_async_bulk_g2s(smem + off + r * kBlockRows * L::kWStride, w_at + r * rb_stride,
+                                 kBlockRows * kRowBytes, bar);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kWCopies; ++i) {
+        if (kWSlots % kThreads != 0 && tid >= kWSlots) break;  // 1-bit with two groups: 128 pieces
+        const int c = i * kThreads;  // the round's first slot (unrolled: a constant)
+        ptx::cp_async_cg_16(st + w_dst + i * kWRowStep * L::kWStride,
+                            w_at + (c % kWTileSlots) * 16 + (c / kWTileSlots) * rb_stride);
+      }
     }
 #pragma unroll
     for (int i = 0; i < kSzCopies; ++i) {
@@ -446,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       load_words<BITS>(w[h], st + (my_row + 8 * h) * L::kWStride, my_row + 8 * h,
-                       u * (kRowBytes / U) + 4 * BITS * t + 4 * (tile0 / kTilesPerWord));
+                       u * (kRowBytes / U) + 4 * BITS * t + 4 * (tile0 / kTilesPerWord), !bulk);
 #pragma unroll
     for (int jj = 0; jj < kSegs; ++jj) {
       const int j = kSplitTiles == 2 ? group * (NG / 2) + jj : jj;  // the chunk's segment
@@ -650,14 +686,20 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     wr = next(wr);
   }
   int row = row_first, stage_in_row = it_begin;  // of the stage computed (CROSS)
+  int rd_stage = 0;         // rd's stage buffer: its bulk-copy barrier (bulk only)
+  uint32_t rd_parity = 0;   // the phase of that barrier stage i completes
   for (int i = 0; i < iters; ++i) {
     ptx::cp_async_wait_group<kStages - 2>();
-    // Stage i is visible to all threads, and all threads are done with stage i-1, whose
-    // buffer the prefetch below overwrites.
+    // Stage i's cp.async copies are visible to all threads, and all threads are done with stage
+    // i-1, whose buffer the prefetch below overwrites.
     __syncthreads();
     if (i == 0) SPINFER_MARK(1);
     if (i + kStages - 1 < iters) issue_w(smem_base + wr, idx), issue_x(smem_base + wr, idx), idx = next_idx(idx);
     ptx::cp_async_commit_group();
+    if (bulk) {  // and its weight tile
+      ptx::mbarrier_wait_parity(&s_full[rd_stage], rd_parity);
+      if (++rd_stage == kStages) rd_stage = 0, rd_parity ^= 1u;
+    }
     compute(rd);
     rd = next(rd), wr = next(wr);
     if (CROSS && ++stage_in_row == total_iters && i + 1 < iters) {  // a row block ends, not the last
@@ -718,6 +760,7 @@ struct Launcher {
     const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * lowbit_tile_rows(V);
     LowbitArgs a = args;
     a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
+    a.bulk_weights = plan.bulk_weights;
     return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, a, plan.chunks, split_stride,
                          plan.iters_per_split);
   }

@@ -28,6 +28,7 @@ struct LowbitArgs {
   // Set by the launch from the plan (kernel arguments live in the constant bank, not in the
   // loop's registers): rows from tail_first on are split tail_splits ways, tail_iters stages each.
   int tail_first, tail_splits, tail_iters;
+  bool bulk_weights;       // LowbitPlan::bulk_weights
 };
 
 // A block of row block r (one-block-per-row and split-K grids) takes its stages starting at stage
@@ -76,6 +77,11 @@ struct LowbitPlan {
   int64_t workspace_floats;
   int counters;
   bool pdl;        // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
+  // Each stage's weight tiles come in one bulk copy (cp.async.bulk, completing on an mbarrier)
+  // issued by one thread, unswizzled, instead of 16-byte cp.async from every thread into
+  // XOR-swizzled rows: sm_90 at 4 and 8 bits (lowbit_mm.cuh, kBulkBits). SPINFER_LOADER=cp_async
+  // keeps the cp.async loader (tests, A/B runs), as for the SMBD kernel.
+  bool bulk_weights;
 };
 
 // splits > 0: that split-K factor (capped at the stages), -1: the balanced schedule, as tuned by

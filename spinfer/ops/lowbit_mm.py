@@ -149,7 +149,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
 
 # Field names of spinfer::lowbit_plan's result, in order (spinfer/csrc/lowbit_mm.h, LowbitPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "row_blocks", "grid_blocks", "splits", "iters_per_split", "resident_blocks",
-               "balanced", "tail_first", "tail_splits", "tail_iters", "tile_rows")
+               "balanced", "tail_first", "tail_splits", "tail_iters", "tile_rows", "bulk_weights")
 
 
 def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -159,8 +159,10 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     64, or 128 where two 64-row blocks share a block's activation slices),
     ``grid_blocks`` per token tile, ``splits`` (the most blocks that share a row block's tile) and
     ``iters_per_split`` (stages per split-K block), ``resident_blocks`` per SM (CUDA's occupancy
-    calculator), whether it is the ``balanced`` schedule, and the split tail rows (``tail_first``:
-    the first split row block, ``tail_splits`` ways of ``tail_iters`` stages; 0 when none).
+    calculator), whether it is the ``balanced`` schedule, the split tail rows (``tail_first``:
+    the first split row block, ``tail_splits`` ways of ``tail_iters`` stages; 0 when none), and
+    whether each stage's weight tiles come in one bulk copy (``bulk_weights``: sm_90 at 4 and 8
+    bits, unless ``SPINFER_LOADER=cp_async``).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)
@@ -177,5 +179,5 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     m, k = weight.shape
     x = torch.empty((n, 1), dtype=dtype, device=device).expand(n, k)  # only N, dtype and device are read
     plan = dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x, m, k, weight.bits, weight.group_size, splits)))
-    plan["balanced"] = bool(plan["balanced"])
+    plan["balanced"], plan["bulk_weights"] = bool(plan["balanced"]), bool(plan["bulk_weights"])
     return plan

@@ -17,17 +17,21 @@ SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, true)
 namespace {
 
 template <bool kBF16>
-int query_blocks_per_sm(int bits, int bn, int ng, int variant) {
+int query_blocks_per_sm(int bits, int bn, int ng, int variant, bool bulk) {
   switch (bits) {
-    case 1: return blocks_per_sm<kBF16, 1>(bn, ng, variant);
-    case 2: return blocks_per_sm<kBF16, 2>(bn, ng, variant);
-    case 4: return blocks_per_sm<kBF16, 4>(bn, ng, variant);
-    default: return blocks_per_sm<kBF16, 8>(bn, ng, variant);
+    case 1: return blocks_per_sm<kBF16, 1>(bn, ng, variant, bulk);
+    case 2: return blocks_per_sm<kBF16, 2>(bn, ng, variant, bulk);
+    case 4: return blocks_per_sm<kBF16, 4>(bn, ng, variant, bulk);
+    default: return blocks_per_sm<kBF16, 8>(bn, ng, variant, bulk);
   }
 }
 
-// Resident blocks per SM of a kernel variant on a device: an occupancy query costs
-// microseconds, so it is asked once.
+// Whether the device's default loader copies this width's weight tiles in bulk (sm_90, 4 and 8
+// bits); SPINFER_LOADER=cp_async overrides the launch only (lowbit_mm_plan).
+bool bulk_default(int major, int bits) { return major >= 9 && bits >= lowbit::kBulkBits; }
+
+// Resident blocks per SM of a kernel variant on a device, with the device's default loader: an
+// occupancy query costs microseconds, so it is asked once.
 int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int variant) {
   static std::mutex mu;
   static std::map<std::tuple<int, bool, int, int, int, int>, int> cache;
@@ -35,8 +39,11 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  const int blocks =
-      bf16 ? query_blocks_per_sm<true>(bits, bn, ng, variant) : query_blocks_per_sm<false>(bits, bn, ng, variant);
+  int major = 8;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const bool bulk = bulk_default(major, bits);
+  const int blocks = bf16 ? query_blocks_per_sm<true>(bits, bn, ng, variant, bulk)
+                          : query_blocks_per_sm<false>(bits, bn, ng, variant, bulk);
   cache.emplace(key, blocks);
   return blocks;
 }
@@ -136,7 +143,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   p.pdl = use_pdl(major);
   const char* loader = std::getenv("SPINFER_LOADER");
-  p.bulk_weights = major >= 9 && bits >= lowbit::kBulkBits && !(loader && std::strcmp(loader, "cp_async") == 0);
+  p.bulk_weights = bulk_default(major, bits) && !(loader && std::strcmp(loader, "cp_async") == 0);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
   int splits = 0;  // split-K factor, or -1: the balanced schedule

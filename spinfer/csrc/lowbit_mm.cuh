@@ -260,10 +260,14 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
 // CROSS: ranges may cross row blocks (the balanced schedule); without it a block's range is
 // one row block's stages, and the kernel keeps none of the bookkeeping for more.
 // RB: 64-row blocks per block (1, or 2 without CROSS: row pairs).
-template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS, int RB>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
-    lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int64_t split_stride, const int iters_per_split) {
+// The kernel's body (lowbit_mm_kernel below). BULK: each stage's weight tiles come in one bulk
+// copy (LowbitPlan::bulk_weights), read unswizzled; otherwise 16-byte cp.async from every thread
+// into swizzled rows.
+template <bool kBF16, int BITS, int BN, int NG, bool CROSS, int RB, bool BULK>
+__device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int chunks, const int64_t split_stride,
+                                               const int iters_per_split) {
   static_assert(RB == 1 || (RB == 2 && !CROSS), "row pairs only in the one-block-per-tile grids");
+  static_assert(!BULK || BITS >= kBulkBits, "bulk weight copies at 4 and 8 bits only");
   using L = Layout<BITS, BN, NG, CROSS, RB>;
   constexpr int kTileRows = L::kTileRows;  // output rows of a block's tile
   constexpr int U = L::U;
@@ -275,12 +279,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 
   const int tid = threadIdx.x, warp = tid / 32 % kWarps, lane = tid % 32;
   const int group = tid / (32 * kWarps);  // the warp group: which half of each stage it takes
-  // Bulk weight copies (LowbitPlan::bulk_weights; compiled only where kBulkBits allows): stage
-  // buffer s's tile lands on s_full[s]. Thread 0 initializes the barriers and issues every copy;
-  // the other threads first wait on them after the main loop's first block barrier, which
-  // orders the initialization before that.
-  const bool bulk = BITS >= kBulkBits && args.bulk_weights;
-  __shared__ __align__(8) uint64_t s_full[kStages];
+  // Bulk weight copies: stage buffer s's tile lands on s_full[s]. Thread 0 initializes the
+  // barriers and issues every copy; the other threads first wait on them after the main loop's
+  // first block barrier, which orders the initialization before that. A compile-time choice: as
+  // a runtime flag (one kernel for both loaders) the 4-bit kernel measured 2.2% slower (geomean,
+  // four issue shapes x N = 1-32; 14336x4096 N = 1 18.3 against 17.6 us), 8-bit 0.5%.
+  constexpr bool bulk = BULK;
+  __shared__ __align__(8) uint64_t s_full[bulk ? kStages : 1];
   if (bulk && tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(&s_full[s], 1);
@@ -728,6 +733,19 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 #endif
 }
 
+template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS, int RB, bool BULK>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
+    lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int64_t split_stride, const int iters_per_split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (BULK) {
+    __trap();  // never launched below sm_90 (the planner checks); keeps sm_80 builds small
+  } else
+#endif
+  {
+    lowbit_mm_body<kBF16, BITS, BN, NG, CROSS, RB, BULK>(args, chunks, split_stride, iters_per_split);
+  }
+}
+
 // Host side of one (dtype, bits) pair: the BN, NG and schedule variants, instantiated in
 // lowbit_mm_{fp16,bf16}_{1,2,4,8}.cu so nvcc builds them in parallel.
 template <bool kBF16, int BITS, int BN, int NG, int V>
@@ -746,11 +764,16 @@ struct Launcher {
   static constexpr int kRowPairBlocks = kSmemBlocks < kRowPairCap ? kSmemBlocks : kRowPairCap;
   // The host sizes split-K workspaces and grids by lowbit_tile_rows (lowbit_mm.h).
   static_assert(Layout<BITS, BN, NG, BALANCED, RB>::kTileRows == lowbit_tile_rows(V), "one tile height");
-  static constexpr auto kernel =
-      lowbit_mm_kernel<kBF16, BITS, BN, NG,
-                       BALANCED ? kBalancedPerSM : RB == 2 ? kRowPairBlocks : kMinBlocks<BITS, BN>, BALANCED, RB>;
+  static constexpr int kMinB = BALANCED ? kBalancedPerSM : RB == 2 ? kRowPairBlocks : kMinBlocks<BITS, BN>;
+  // The kernel for a loader: bulk weight copies exist at 4 and 8 bits only.
+  static auto kernel(bool bulk) {
+    if constexpr (BITS >= kBulkBits)
+      if (bulk) return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, true>;
+    return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, false>;
+  }
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-    if (cudaError_t err = allow_smem(); err != cudaSuccess) return err;
+    const bool bulk = BITS >= kBulkBits && plan.bulk_weights;
+    if (cudaError_t err = allow_smem(bulk); err != cudaSuccess) return err;
     // Balanced: (token tiles, blocks); else (token tiles, row blocks, splits) of
     // plan.iters_per_split stages each.
     // With split tail rows: (1, whole rows + tail rows x their splits).
@@ -760,26 +783,25 @@ struct Launcher {
     const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * lowbit_tile_rows(V);
     LowbitArgs a = args;
     a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
-    a.bulk_weights = plan.bulk_weights;
-    return launch_kernel(kernel, grid, kThreads, kSmem, stream, plan.pdl, a, plan.chunks, split_stride,
+    return launch_kernel(kernel(bulk), grid, kThreads, kSmem, stream, plan.pdl, a, plan.chunks, split_stride,
                          plan.iters_per_split);
   }
-  // The dynamic shared-memory opt-in, once per device (a driver call costs microseconds).
-  static cudaError_t allow_smem() {
-    static std::atomic<uint64_t> done{0};
+  // The dynamic shared-memory opt-in, once per device and kernel (a driver call costs microseconds).
+  static cudaError_t allow_smem(bool bulk) {
+    static std::atomic<uint64_t> done[2] = {0, 0};
     int device = 0;
     cudaGetDevice(&device);
     const uint64_t bit = uint64_t(1) << (device & 63);
-    if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+    if (done[bulk].load(std::memory_order_acquire) & bit) return cudaSuccess;
+    const cudaError_t err = cudaFuncSetAttribute(kernel(bulk), cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err == cudaSuccess) done[bulk].fetch_or(bit, std::memory_order_release);
     return err;
   }
-  static int blocks_per_sm() {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 1;
+  static int blocks_per_sm(bool bulk) {
+    const auto k = kernel(bulk);
+    if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 1;
     int blocks = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, kSmem) != cudaSuccess)
-      return 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, kThreads, kSmem) != cudaSuccess) return 1;
     return blocks > 0 ? blocks : 1;
   }
 };
@@ -793,11 +815,11 @@ cudaError_t launch_ng(int ng, const LowbitArgs& args, const LowbitPlan& plan, cu
   }
 }
 template <bool kBF16, int BITS, int BN, int V>
-int blocks_per_sm_ng(int ng) {
+int blocks_per_sm_ng(int ng, bool bulk) {
   switch (ng) {
-    case 4: return Launcher<kBF16, BITS, BN, 4, V>::blocks_per_sm();
-    case 2: return Launcher<kBF16, BITS, BN, 2, V>::blocks_per_sm();
-    default: return Launcher<kBF16, BITS, BN, 1, V>::blocks_per_sm();
+    case 4: return Launcher<kBF16, BITS, BN, 4, V>::blocks_per_sm(bulk);
+    case 2: return Launcher<kBF16, BITS, BN, 2, V>::blocks_per_sm(bulk);
+    default: return Launcher<kBF16, BITS, BN, 1, V>::blocks_per_sm(bulk);
   }
 }
 template <bool kBF16, int BITS, int V>
@@ -809,11 +831,11 @@ cudaError_t launch_bn(const LowbitArgs& args, const LowbitPlan& plan, cudaStream
   }
 }
 template <bool kBF16, int BITS, int V>
-int blocks_per_sm_bn(int bn, int ng) {
+int blocks_per_sm_bn(int bn, int ng, bool bulk) {
   switch (bn) {
-    case 8: return blocks_per_sm_ng<kBF16, BITS, 8, V>(ng);
-    case 16: return blocks_per_sm_ng<kBF16, BITS, 16, V>(ng);
-    default: return blocks_per_sm_ng<kBF16, BITS, 32, V>(ng);
+    case 8: return blocks_per_sm_ng<kBF16, BITS, 8, V>(ng, bulk);
+    case 16: return blocks_per_sm_ng<kBF16, BITS, 16, V>(ng, bulk);
+    default: return blocks_per_sm_ng<kBF16, BITS, 32, V>(ng, bulk);
   }
 }
 
@@ -827,21 +849,23 @@ cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t 
     default: return launch_bn<kBF16, BITS, kLowbitPerTile>(args, plan, stream);
   }
 }
+// Resident blocks of a variant with the loader `bulk` picks (the planner passes its device's
+// default, so a forced cp.async loader runs the default's plan).
 template <bool kBF16, int BITS>
-int blocks_per_sm(int bn, int ng, int variant) {
+int blocks_per_sm(int bn, int ng, int variant, bool bulk) {
   switch (variant) {
-    case kLowbitBalanced: return blocks_per_sm_bn<kBF16, BITS, kLowbitBalanced>(bn, ng);
-    case kLowbitRowPairs: return blocks_per_sm_bn<kBF16, BITS, kLowbitRowPairs>(bn, ng);
-    default: return blocks_per_sm_bn<kBF16, BITS, kLowbitPerTile>(bn, ng);
+    case kLowbitBalanced: return blocks_per_sm_bn<kBF16, BITS, kLowbitBalanced>(bn, ng, bulk);
+    case kLowbitRowPairs: return blocks_per_sm_bn<kBF16, BITS, kLowbitRowPairs>(bn, ng, bulk);
+    default: return blocks_per_sm_bn<kBF16, BITS, kLowbitPerTile>(bn, ng, bulk);
   }
 }
 
 #define SPINFER_LOWBIT_INSTANTIATE(BF16, BITS)                                                        \
   template cudaError_t launch<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  template int blocks_per_sm<BF16, BITS>(int, int, int);
+  template int blocks_per_sm<BF16, BITS>(int, int, int, bool);
 #define SPINFER_LOWBIT_EXTERN(BF16, BITS)                                                                    \
   extern template cudaError_t launch<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  extern template int blocks_per_sm<BF16, BITS>(int, int, int);
+  extern template int blocks_per_sm<BF16, BITS>(int, int, int, bool);
 #define SPINFER_LOWBIT_FOR_BITS(X, BF16) X(BF16, 1) X(BF16, 2) X(BF16, 4) X(BF16, 8)
 
 }  // namespace lowbit

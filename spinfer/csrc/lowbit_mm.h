@@ -28,7 +28,6 @@ struct LowbitArgs {
   // Set by the launch from the plan (kernel arguments live in the constant bank, not in the
   // loop's registers): rows from tail_first on are split tail_splits ways, tail_iters stages each.
   int tail_first, tail_splits, tail_iters;
-  bool bulk_weights;       // LowbitPlan::bulk_weights
 };
 
 // A block of row block r (one-block-per-row and split-K grids) takes its stages starting at stage

@@ -118,11 +118,12 @@ __host__ __device__ constexpr int weight_row_bytes() {
 // bulk copy of the format's rows as they are, unswizzled: the 2-way bank conflicts of the 4- and
 // 8-bit loads (rows g and g + 1 of a phase on the same banks) cost less than the 16-byte copies
 // from every thread. H100, two builds, processes interleaved, four issue shapes x N = 1 / 8 / 16 /
-// 32, geomean x cuBLAS: 4-bit g128 2.297 -> 2.52x (unswizzled) and 2.56x (a probe that kept the
-// swizzled reads over unswizzled data: wrong results, conflict-free timing), 8-bit 1.554 -> 1.686
-// / 1.708x. At 1 and 2 bits, which issue one copy or less per thread and stage and are bound by
-// instruction issue, the bulk copy and its mbarrier wait measured 2.8% / 0.8% slower (N = 1:
-// -4 to -8%), so they keep cp.async (docs/quant.md, twenty-fourth session).
+// 32: 4-bit g128 +10.7% (geomean; +0.6% to +21%, 28672x8192 N = 16 64.2 -> 53.0 us), 8-bit +8.6%.
+// A probe that read the unswizzled tiles at swizzled addresses (wrong results, conflict-free
+// timing) was ~1.5% faster still, the most a pre-swizzled format could add. At 1 and 2 bits,
+// which issue one copy or less per thread and stage and are bound by instruction issue, the
+// probe measured 2.8% / 0.8% slower (N = 1: -4 to -8%), so they keep cp.async (docs/quant.md,
+// twenty-fourth session).
 constexpr int kBulkBits = 4;
 
 template <int BITS>

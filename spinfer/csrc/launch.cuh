@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
 
 namespace spinfer {
 
@@ -16,6 +17,14 @@ namespace spinfer {
 inline bool use_pdl(int major) {
   const char* env = std::getenv("SPINFER_PDL");
   return major >= 9 && !(env && env[0] == '0');
+}
+
+// Whether a device of this compute capability may copy with the sm_90 bulk loader (the SMBD
+// kernel's bitmaps and value runs, the low-bit kernel's weight tiles at 4 and 8 bits);
+// SPINFER_LOADER=cp_async keeps the cp.async loaders sm_80 runs (A/B runs, tests).
+inline bool use_bulk_loader(int major) {
+  const char* env = std::getenv("SPINFER_LOADER");
+  return major >= 9 && !(env && std::strcmp(env, "cp_async") == 0);
 }
 
 template <typename... KArgs, typename... Args>

@@ -2,7 +2,6 @@
 // occupancy, or the balanced one) by the planner's rule or the caller.
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -142,8 +141,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   p.pdl = use_pdl(major);
-  const char* loader = std::getenv("SPINFER_LOADER");
-  p.bulk_weights = bulk_default(major, bits) && !(loader && std::strcmp(loader, "cp_async") == 0);
+  p.bulk_weights = bulk_default(major, bits) && use_bulk_loader(major);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
   int splits = 0;  // split-K factor, or -1: the balanced schedule

@@ -138,8 +138,7 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   int sms = 1, major = 8;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  const char* loader = std::getenv("SPINFER_LOADER");
-  p.bulk = major >= 9 && !(loader && std::strcmp(loader, "cp_async") == 0);
+  p.bulk = use_bulk_loader(major);
   p.pdl = use_pdl(major);
   // Decode variant: the lean decode (prefix published as a shared address, clamped once per
   // GroupTile) against the per-word clamped one, same-process A/B on H100. It was 4-11% faster

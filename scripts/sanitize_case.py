@@ -3,7 +3,8 @@ split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K)
 variants, the three register budgets, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
-pairs, and split tail rows (at 4 and 8 bits with the sm_90 bulk weight copies, or the cp.async
+pairs, and split tail rows (at 4 and 8 bits with the sm_90 bulk weight copies and, at N > 8, the
+tensor copies of the activations, boxes below a tile (N = 9) and past N (33); or the cp.async
 loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets."""
 

@@ -54,12 +54,14 @@ def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype):
 @pytest.mark.parametrize("bits", BITS)
 def test_bulk_weight_copies_equal_the_cp_async_loader(bits, dtype, monkeypatch):
     """On sm_90 the 4- and 8-bit kernels take each stage's weight tiles in one bulk copy and read
-    them unswizzled (LowbitPlan::bulk_weights); SPINFER_LOADER=cp_async keeps the 16-byte copies
-    into swizzled rows, the loader sm_80 runs. Same accumulation order, so the outputs must be
-    equal bit for bit, on every schedule: one block per row block with the split tail rows,
-    split-K, row pairs (odd count), the balanced schedule; and both match the reference."""
+    them unswizzled, and its activation slice in one tensor copy per chunk, zeros past N and K
+    (LowbitPlan::bulk_weights); SPINFER_LOADER=cp_async keeps the 16-byte copies of both, the
+    loader sm_80 runs. Same accumulation order, so the outputs must be equal bit for bit, on
+    every schedule: one block per row block with the split tail rows, split-K, row pairs (odd
+    count), the balanced schedule; at N that fills no token tile (1, 7), one and a row (9, 33)
+    and K padded to whole stages (1000); and both match the reference."""
     bulk_device = torch.cuda.get_device_capability()[0] >= 9
-    for m, k, group in ((4097, 1792, 128), (333, 1280, 64)):
+    for m, k, group in ((4097, 1792, 128), (333, 1280, 64), (130, 1000, None)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
         b = torch.randn(m, device="cuda").to(dtype)
         for splits, pairs in (("0", None), ("3", "0"), ("1", "1"), ("-1", "0")):
@@ -68,7 +70,7 @@ def test_bulk_weight_copies_equal_the_cp_async_loader(bits, dtype, monkeypatch):
                 monkeypatch.delenv("SPINFER_LOWBIT_PAIRS", raising=False)
             else:
                 monkeypatch.setenv("SPINFER_LOWBIT_PAIRS", pairs)
-            for n in (1, 9, 32):
+            for n in (1, 7, 9, 32, 33):
                 x = torch.randn(n, k, device="cuda").to(dtype)
                 outs = {}
                 for loader in ("bulk", "cp_async"):

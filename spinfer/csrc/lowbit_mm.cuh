@@ -16,7 +16,8 @@
 //    only if HBM never waits on it. Contiguous tiles matter: with row-major weights each
 //    stage touched 64 separate 128-byte spans and HBM delivered 1.0-1.8 TB/s instead of ~2.7.
 //    On sm_90 at 4 and 8 bits the weight tile comes in one bulk copy per stage instead of
-//    16-byte cp.async from every thread (kBulkBits, BULK).
+//    16-byte cp.async from every thread (kBulkBits, BULK), and with token tiles of 16 and 32
+//    the activation slice in one tensor copy per chunk (kTmaX, encode_x_map).
 //  * The packed format puts, inside every 128-column chunk of a row, lane t's values for the
 //    8 k16 tiles of the chunk into `bits` consecutive words (spinfer/quant/lowbit.py,
 //    `fragment_order`): a lane reads its share of a row with one 4..32-byte shared load and
@@ -32,7 +33,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cuda.h>  // CUtensorMap
+
 #include <atomic>
+#include <cstring>
 
 #include "dtype.cuh"
 #include "epilogue.cuh"
@@ -127,6 +131,16 @@ __host__ __device__ constexpr int weight_row_bytes() {
 // probe measured 2.8% / 0.8% slower (N = 1: -4 to -8%), so they keep cp.async (docs/quant.md,
 // twenty-fourth session).
 constexpr int kBulkBits = 4;
+// With the bulk loader, token tiles of at least this many rows also take each stage's activation
+// slice in tensor copies (one per chunk, Layout) instead of 16-byte cp.async from every thread.
+// H100, two builds, processes interleaved, four issue shapes (docs/quant.md, twenty-fifth
+// session), N = 16 and 32: 4-bit g128 +2.9% geomean (N = 32 +1.1% to +7.2%, 28672x8192 81.9 ->
+// 76.4 us; N = 16 -1.5% to +2.9%), 8-bit +1.0%. At N = 1 and 8 (BN = 8) -2.5% to +1.1%, worst on
+// split-K layers even with the tensor map prefetched (8192x28672 N = 1 50.5 -> 51.7 us), so BN = 8
+// keeps cp.async.
+constexpr int kTmaXMinBN = 16;
+template <bool BULK, int BN>
+constexpr bool kTmaX = BULK && BN >= kTmaXMinBN;
 
 template <int BITS>
 __device__ __forceinline__ int piece_swizzle(int r) {
@@ -136,12 +150,19 @@ __device__ __forceinline__ int piece_swizzle(int r) {
   else return (r >> 2) & 1;
 }
 
-// One stage: [RB x 64 weight rows][row bytes] [RB x 64 rows][U*NG (scale, zero) pairs] [BN][x stride].
-// The x stride is columns + 16 halves: row g's 8-byte B-fragment loads start 32 bytes after
-// row g-1's (mod 128), so a half-warp (4 rows x 4 lanes) covers all 32 banks once.
+// One stage: [RB x 64 weight rows][row bytes] [RB x 64 rows][U*NG (scale, zero) pairs] then the
+// activation slice: [BN][x stride] with cp.async, or with tensor copies of the activations
+// (TMA_X: the bulk loader at BN >= kTmaXMinBN) one [BN][x stride] region per chunk, the stride a
+// chunk's columns + 16.
+// Either way the x stride is 16 halves more than the columns a row holds: row g's 8-byte
+// B-fragment loads start 32 bytes after row g-1's (mod 128), so a half-warp (4 rows x 4 lanes)
+// covers all 32 banks once. A tensor copy writes its box densely, so the box itself is 16 columns
+// wider than a chunk (encode_x_map): the extra columns, the next chunk's or zeros past K, are
+// never read. (The 128-byte swizzle instead needs 1 KB-aligned stages and an XOR per load, which
+// the compiler turned into one more IADD3 per B fragment.)
 // RB row blocks per block (row pairs: RB = 2): the weight and scale regions hold RB x 64 rows, the
 // activation slice is shared.
-template <int BITS, int BN, int NG, bool CROSS = false, int RB = 1>
+template <int BITS, int BN, int NG, bool CROSS = false, int RB = 1, bool TMA_X = false>
 struct Layout {
   static constexpr int U = chunks_per_stage<BITS>();
   static constexpr int kCols = U * kChunk;
@@ -149,9 +170,13 @@ struct Layout {
   static constexpr int kWStride = weight_row_bytes<BITS>();
   static constexpr int kPairs = U * NG;  // (scale, zero) pairs per row per stage
   static constexpr int kSzOffset = kTileRows * kWStride;
-  static constexpr int kXOffset = kSzOffset + (kTileRows * kPairs * 4 + 15) / 16 * 16;
-  static constexpr int kXStride = kCols + 16;
-  static constexpr int kStageBytes = kXOffset + BN * kXStride * 2;
+  // Tensor copies write to 128-byte-aligned addresses.
+  static constexpr int kAlign = TMA_X ? 128 : 16;
+  static constexpr int kXOffset = kSzOffset + (kTileRows * kPairs * 4 + kAlign - 1) / kAlign * kAlign;
+  static constexpr int kXStride = (TMA_X ? kChunk : kCols) + 16;
+  static constexpr int kXChunkBytes = TMA_X ? BN * kXStride * 2 : kChunk * 2;  // between chunks' x
+  static constexpr int kXBytes = (TMA_X ? U : 1) * BN * kXStride * 2;
+  static constexpr int kStageBytes = kXOffset + kXBytes;
   // Where the second warp group's accumulators are summed into the first's when a tile is
   // flushed: the balanced schedule (CROSS) flushes while stages are in flight, so it has a region
   // after the stages; otherwise the flush is at the end and uses the idle stage buffers. (A first
@@ -161,7 +186,9 @@ struct Layout {
   static constexpr int kRedBytes = BN * kBlockRows * 4;
   static constexpr int kSmemBytes = kRedOffset + (CROSS ? kRedBytes : 0);
   static_assert(kRedBytes <= kRedOffset, "room for one group's accumulators in the stage buffers");
-  static_assert(kWStride % 16 == 0 && kXOffset % 16 == 0 && kStageBytes % 16 == 0, "16-byte alignment");
+  static_assert(kWStride % 16 == 0 && kXOffset % kAlign == 0 && kStageBytes % kAlign == 0 &&
+                    kXChunkBytes % kAlign == 0,
+                "aligned regions");
 };
 
 // The magic-number constants of a dtype (unpack_pair) on top of its pair arithmetic (dtype.cuh).
@@ -264,19 +291,21 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
 // one row block's stages, and the kernel keeps none of the bookkeeping for more.
 // RB: 64-row blocks per block (1, or 2 without CROSS: row pairs).
 // The kernel's body (lowbit_mm_kernel below). BULK: each stage's weight tiles come in one bulk
-// copy (LowbitPlan::bulk_weights), read unswizzled; otherwise 16-byte cp.async from every thread
-// into swizzled rows.
+// copy (LowbitPlan::bulk_weights), read unswizzled, and at BN >= 16 (kTmaX) its activation slice in
+// one tensor copy per chunk through x_map (encode_x_map); otherwise 16-byte cp.async from every
+// thread, the weights into swizzled rows.
 template <bool kBF16, int BITS, int BN, int NG, bool CROSS, int RB, bool BULK>
 __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int chunks, const int64_t split_stride,
-                                               const int iters_per_split) {
+                                               const int iters_per_split, const CUtensorMap* x_map) {
   static_assert(RB == 1 || (RB == 2 && !CROSS), "row pairs only in the one-block-per-tile grids");
   static_assert(!BULK || BITS >= kBulkBits, "bulk weight copies at 4 and 8 bits only");
-  using L = Layout<BITS, BN, NG, CROSS, RB>;
+  constexpr bool tma_x = kTmaX<BULK, BN>;
+  using L = Layout<BITS, BN, NG, CROSS, RB, tma_x>;
   constexpr int kTileRows = L::kTileRows;  // output rows of a block's tile
   constexpr int U = L::U;
   constexpr int kTilesPerWord = 8 / BITS;  // k16 tiles whose values one word holds (8-bit: 1)
   constexpr int kRowBytes = U * kChunk * BITS / 8;  // a weight row's bytes per stage
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];  // (the tensor copies' alignment)
   __shared__ int s_is_last;
   SPINFER_MARK(0);
 
@@ -293,10 +322,12 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
 #pragma unroll
     for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(&s_full[s], 1);
     ptx::fence_mbarrier_init();
+    if (tma_x) ptx::prefetch_tensormap(x_map);  // the first activation copy waits on it otherwise
   }
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * BN;
   const int valid_rows = min(BN, args.n - n0);
+  const int x_rows = min(BN, args.n);  // token rows of the tensor copies' box (encode_x_map)
   const int total_iters = (chunks + U - 1) / U;  // stages per row block
   const int row_blocks = (args.m + kBlockRows - 1) / kBlockRows;  // of 64 rows (the format's tiles)
   // The first unit's row block and stage in it, and how many units. Without CROSS the grid is
@@ -410,8 +441,9 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
       if (tid == 0) {  // w_at is thread 0's slot: the tile's first byte
         const uint32_t off = st - ptx::smem_addr(smem);
         uint64_t* bar = &s_full[off / L::kStageBytes];
-        ptx::fence_proxy_async_shared();  // the block's reads of this buffer come before the copy
-        ptx::mbarrier_arrive_expect_tx(bar, RB * kBlockRows * kRowBytes);
+        ptx::fence_proxy_async_shared();  // the block's reads of this buffer come before the copies
+        // The stage's weight tiles and (tma_x: issue_x, after it) its activation slice.
+        ptx::mbarrier_arrive_expect_tx(bar, RB * kBlockRows * kRowBytes + (tma_x ? U * x_rows * L::kXStride * 2 : 0));
 #pragma unroll
         for (int r = 0; r < RB; ++r)
           ptx::cp_async_bulk_g2s(smem + off + r * kBlockRows * L::kWStride, w_at + r * rb_stride,
@@ -442,11 +474,24 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
     }
   };
   auto issue_x = [&](const uint32_t st, const int idx) {
-    const char* x_at = CROSS ? x_next : x_next + static_cast<uint64_t>(static_cast<uint32_t>(idx)) * (L::kCols * 2);
+    if constexpr (tma_x) {
+      // One tensor copy per chunk: x_rows tokens x 144 columns (Layout); tokens past N arrive as
+      // zeros. The stage's mbarrier expects its bytes (issue_w) and thread 0 fenced the buffer there.
+      if (tid == 0) {
+        const uint32_t off = st - ptx::smem_addr(smem);
+        const int col = (CROSS ? x_stage : it_begin + idx) * L::kCols;
 #pragma unroll
-    for (int i = 0; i < kXCopies; ++i) {
-      if (x_row + i * kXRowStep >= valid_rows) break;  // rows past N stay zero
-      ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, x_at + i * x_step);
+        for (int u = 0; u < U; ++u)
+          ptx::cp_async_bulk_tensor_2d_g2s(smem + off + L::kXOffset + u * L::kXChunkBytes, x_map, col + u * kChunk, n0,
+                                           &s_full[off / L::kStageBytes]);
+      }
+    } else {
+      const char* x_at = CROSS ? x_next : x_next + static_cast<uint64_t>(static_cast<uint32_t>(idx)) * (L::kCols * 2);
+#pragma unroll
+      for (int i = 0; i < kXCopies; ++i) {
+        if (x_row + i * kXRowStep >= valid_rows) break;  // rows past N stay zero
+        ptx::cp_async_cg_16(st + L::kXOffset + x_dst + i * kXRowStep * L::kXStride * 2, x_at + i * x_step);
+      }
     }
     if constexpr (CROSS) {
       x_next += L::kCols * 2;
@@ -485,6 +530,7 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
   // terms only: the loops below stay unrolled.
   auto compute_chunk = [&](const int offset, const int u, const int tile0) {
     const unsigned char* st = smem + offset;
+    // This lane's B fragments: token row g, columns 4t.. of each k16 tile (of chunk u, below).
     const unsigned char* xrow = st + L::kXOffset + (g * L::kXStride + 4 * t) * 2;
     uint32_t w[2][BITS / kSplitTiles];
 #pragma unroll
@@ -542,8 +588,8 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
               // a plain load, so the compiler can hoist it above earlier mma (asm volatile cannot be)
-              const uint2 v =
-                  *reinterpret_cast<const uint2*>(xrow + (nb * 8 * L::kXStride + u * kChunk + 16 * (tile0 + tile)) * 2);
+              const uint2 v = *reinterpret_cast<const uint2*>(
+                  xrow + (nb * 8 * L::kXStride + 16 * (tile0 + tile)) * 2 + u * L::kXChunkBytes);
               b[nb][0] = v.x, b[nb][1] = v.y;
               ptx::mma_m16n8k16<kBF16>(part[nb], a, b[nb][0], b[nb][1]);
             }
@@ -623,11 +669,18 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
   };
 
   // Token rows past N are zeroed once in every stage and never copied (at N = 1 that is 7 of
-  // the 8 rows of the x tile).
-  for (int idx = tid; idx < kStages * (BN - valid_rows) * L::kXStride / 2; idx += kThreads) {
-    const int per_stage = (BN - valid_rows) * L::kXStride / 2;
-    reinterpret_cast<uint32_t*>(smem + (idx / per_stage) * L::kStageBytes + L::kXOffset +
-                                valid_rows * L::kXStride * 2)[idx % per_stage] = 0u;
+  // the 8 rows of the x tile). The tensor copies' boxes are x_rows high, so where N < BN they do
+  // the same in each chunk's region; a last tile that N only partly fills they write as zeros.
+  {
+    constexpr int kRegions = tma_x ? U : 1;
+    constexpr int kRegionStride = tma_x ? L::kXChunkBytes : 0;
+    const int first = tma_x ? x_rows : valid_rows;
+    const int per_region = (BN - first) * L::kXStride / 2;  // words
+    for (int idx = tid; idx < kStages * kRegions * per_region; idx += kThreads) {
+      const int region = idx / per_region;  // stage * kRegions + chunk
+      reinterpret_cast<uint32_t*>(smem + (region / kRegions) * L::kStageBytes + L::kXOffset +
+                                  (region % kRegions) * kRegionStride + first * L::kXStride * 2)[idx % per_region] = 0u;
+    }
   }
 
   // The end of a row block's units in this block: the second group's accumulators join the
@@ -736,18 +789,27 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
 #endif
 }
 
+// x_map: the activations' tensor map (BULK at BN >= kTmaXMinBN; encode_x_map), a kernel parameter
+// so that the copies can name it (__grid_constant__); unused by the other kernels.
 template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS, int RB, bool BULK>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
-    lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int64_t split_stride, const int iters_per_split) {
+    lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int64_t split_stride, const int iters_per_split,
+                     const __grid_constant__ CUtensorMap x_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (BULK) {
     __trap();  // never launched below sm_90 (the planner checks); keeps sm_80 builds small
   } else
 #endif
   {
-    lowbit_mm_body<kBF16, BITS, BN, NG, CROSS, RB, BULK>(args, chunks, split_stride, iters_per_split);
+    lowbit_mm_body<kBF16, BITS, BN, NG, CROSS, RB, BULK>(args, chunks, split_stride, iters_per_split, &x_map);
   }
 }
+
+// The activations' tensor map for the bulk loader (lowbit_mm.cu): x [n][kp], boxes of min(bn, n)
+// tokens x (128 + 16) columns (Layout), unswizzled, zeros past n and kp. Below bn tokens the box
+// is only n high: H100, 4-bit g128 at N = 1, boxes of 8 rows (7 filled with zeros by the copy)
+// took 14336x4096 from 17.5 to 22.2 us; the kernel zeroes the rows past n once instead.
+cudaError_t encode_x_map(CUtensorMap* map, const void* x, int n, int kp, int bn, bool bf16);
 
 // Host side of one (dtype, bits) pair: the BN, NG and schedule variants, instantiated in
 // lowbit_mm_{fp16,bf16}_{1,2,4,8}.cu so nvcc builds them in parallel.
@@ -755,13 +817,17 @@ template <bool kBF16, int BITS, int BN, int NG, int V>
 struct Launcher {
   static constexpr bool BALANCED = V == kLowbitBalanced;
   static constexpr int RB = V == kLowbitRowPairs ? 2 : 1;
-  static constexpr int kSmem = Layout<BITS, BN, NG, BALANCED, RB>::kSmemBytes;
+  static constexpr int kSmem = Layout<BITS, BN, NG, BALANCED, RB>::kSmemBytes;  // the cp.async loader's
+  static constexpr int kSmemBulk = Layout<BITS, BN, NG, BALANCED, RB, kTmaX<true, BN>>::kSmemBytes;
+  static constexpr int smem(bool bulk) { return bulk ? kSmemBulk : kSmem; }
   // Row pairs: the register cap allows as many resident blocks as H100's shared memory (228 KB
   // an SM, 1 KB reserved per block) holds, and at BN >= 16 no more than 2: with 3 (80
   // registers) the 1-, 2- and 8-bit variants spilled 8-20 bytes. H100, N = 16, six Llama
   // shapes, time of the per-tile kernel over the paired one in the same process, cap 3 -> 2:
   // 8-bit 0.96-1.15 -> 1.01-1.13, 1-bit 0.94-1.10 -> 0.96-1.15, 2-bit 0.90-1.12 -> 0.92-1.12.
   static constexpr int kSmemPerSM = 228 * 1024, kSmemReservedPerBlock = 1024;  // H100 (sm_90)
+  // (From the cp.async layout: where the bulk one is larger it is by < 2 KB, which changes no
+  // variant's resident blocks under these caps.)
   static constexpr int kSmemBlocks = kSmemPerSM / (kSmem + kSmemReservedPerBlock);
   static constexpr int kRowPairCap = BN == 8 ? kMinBlocks<BITS, BN> : 2;
   static constexpr int kRowPairBlocks = kSmemBlocks < kRowPairCap ? kSmemBlocks : kRowPairCap;
@@ -786,8 +852,12 @@ struct Launcher {
     const int64_t split_stride = static_cast<int64_t>(plan.n_tiles) * plan.row_blocks * BN * lowbit_tile_rows(V);
     LowbitArgs a = args;
     a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
-    return launch_kernel(kernel(bulk), grid, kThreads, kSmem, stream, plan.pdl, a, plan.chunks, split_stride,
-                         plan.iters_per_split);
+    CUtensorMap x_map;
+    std::memset(&x_map, 0, sizeof x_map);  // the cp.async loader never reads it
+    if (bulk && kTmaX<true, BN>)
+      if (cudaError_t err = encode_x_map(&x_map, args.x, args.n, args.kp, BN, kBF16); err != cudaSuccess) return err;
+    return launch_kernel(kernel(bulk), grid, kThreads, smem(bulk), stream, plan.pdl, a, plan.chunks, split_stride,
+                         plan.iters_per_split, x_map);
   }
   // The dynamic shared-memory opt-in, once per device and kernel (a driver call costs microseconds).
   static cudaError_t allow_smem(bool bulk) {
@@ -796,15 +866,16 @@ struct Launcher {
     cudaGetDevice(&device);
     const uint64_t bit = uint64_t(1) << (device & 63);
     if (done[bulk].load(std::memory_order_acquire) & bit) return cudaSuccess;
-    const cudaError_t err = cudaFuncSetAttribute(kernel(bulk), cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel(bulk), cudaFuncAttributeMaxDynamicSharedMemorySize, smem(bulk));
     if (err == cudaSuccess) done[bulk].fetch_or(bit, std::memory_order_release);
     return err;
   }
   static int blocks_per_sm(bool bulk) {
     const auto k = kernel(bulk);
-    if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 1;
+    if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem(bulk)) != cudaSuccess) return 1;
     int blocks = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, kThreads, kSmem) != cudaSuccess) return 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, kThreads, smem(bulk)) != cudaSuccess) return 1;
     return blocks > 0 ? blocks : 1;
   }
 };

@@ -175,6 +175,28 @@ __device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gm
 #endif
 }
 
+// Global -> shared tensor copy of the box at coordinates (c0, c1) (innermost first) of a 2-D
+// tensor map (a __grid_constant__ kernel parameter, by its generic address) to a 128-byte-aligned
+// address; its bytes, zeros past the tensor's bounds included, count against the mbarrier.
+__device__ __forceinline__ void cp_async_bulk_tensor_2d_g2s(void* smem_dst, const void* map, int c0, int c1,
+                                                            uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+
+// Brings a tensor map (a kernel parameter, by its generic address) into the copy engine's cache
+// ahead of its first copy.
+__device__ __forceinline__ void prefetch_tensormap(const void* map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+#endif
+}
+
 __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
   uint32_t done = 1;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -162,7 +162,8 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     calculator), whether it is the ``balanced`` schedule, the split tail rows (``tail_first``:
     the first split row block, ``tail_splits`` ways of ``tail_iters`` stages; 0 when none), and
     whether each stage's weight tiles come in one bulk copy (``bulk_weights``: sm_90 at 4 and 8
-    bits, unless ``SPINFER_LOADER=cp_async``).
+    bits, unless ``SPINFER_LOADER=cp_async``; with ``bn`` 16 and 32 the activation slices then come
+    in tensor copies too).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)

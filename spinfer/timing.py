@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -74,6 +74,28 @@ def median_time(
             if deadline and time.perf_counter() > deadline:
                 break
     return statistics.median(times)
+
+
+# Rounds of least_of_rounds. One 10-rep median can come out several times its true value: twice in
+# one H100 run of `spinfer bench policy` a candidate measured 3-5x its time in the other run and in
+# the kernel benchmarks (SpMM 160 against ~35 us, decode + dense 113 us against ~30), and each
+# such cell alone broke the issue's "never more than 10% slower" (docs/quant.md, twenty-fourth
+# session).
+ROUNDS = 3
+
+
+def least_of_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, *, rounds: int = ROUNDS,
+                    **kwargs) -> Dict[str, float]:
+    """The least of ``rounds`` medians (:func:`median_time`, ``kwargs`` as there) of each of
+    ``fns``, measured round by round with the calls interleaved: a disturbance that slows one
+    stretch of time lands on one round of one call, and the comparison of the calls keeps the
+    undisturbed rounds."""
+    times: Dict[str, float] = {}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = median_time(fn, device, **kwargs)
+            times[name] = min(times.get(name, t), t)
+    return times
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 20) -> float:

@@ -295,3 +295,23 @@ def test_uncalibrated_profile_takes_the_devices_l2_size(monkeypatch, tmp_path):
     prof = P.profile_for(torch.device("cuda"))
     assert not prof.measured
     assert prof.l2_bytes == torch.cuda.get_device_properties(0).L2_cache_size
+
+
+def test_autotune_timing_survives_one_disturbed_median(monkeypatch):
+    """The candidates are timed in interleaved rounds (spinfer.timing.least_of_rounds): a first
+    median disturbed to 1 s does not make its kernel look slow, and each candidate runs once a
+    round."""
+    import spinfer.timing as timing
+
+    layer = SparseLinear.from_weight(spinfer.magnitude_prune(torch.randn(256, 512).half(), 0.5), policy="sparse")
+    ran, clock = [], iter([1.0] + [1e-4] * (2 * timing.ROUNDS - 1))
+
+    def fake_median(fn, device, **kwargs):
+        fn()
+        return next(clock)
+
+    monkeypatch.setattr(timing, "median_time", fake_median)
+    monkeypatch.setattr(SparseLinear, "_run", lambda self, kern, x: ran.append(kern))
+    times = layer._time_candidates(4)
+    assert ran == list(layer.candidates()) * timing.ROUNDS
+    assert times == {kern: 1e-4 for kern in layer.candidates()}

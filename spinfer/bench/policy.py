@@ -1,6 +1,7 @@
 """Does SparseLinear's policy pick the fastest kernel? For each shape, format and N bucket: the
 kernel the policy chooses (cost model; after ``spinfer.calibrate()`` with ``--calibrate``)
-against the candidates' measured times (the same timing ``policy="autotune"`` uses).
+against the candidates' measured times (the same timing ``policy="autotune"`` uses: the least of
+three interleaved medians per candidate, spinfer.timing.least_of_rounds).
 
     spinfer bench policy [--calibrate] [--shapes 28672x8192,...]     (needs a CUDA GPU)
 """
@@ -16,7 +17,7 @@ import spinfer
 from spinfer.bench import parse_shapes, require_cuda
 from spinfer.nn import SparseLinear
 from spinfer.nn import policy as P
-from spinfer.timing import median_time
+from spinfer.timing import least_of_rounds
 
 SHAPES = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]
 NS = [1, 8, 16, 32, 64, 128, 256, 1024]
@@ -55,8 +56,9 @@ def main(argv=None) -> int:
             # The storage decision (one format per layer, made for decode, N = 1): dense or TCA-BME.
             auto_format = SparseLinear.from_weight(w, policy="auto").format
             x1 = torch.randn(1, k, device=dev, dtype=w.dtype)
-            t_dense = median_time(lambda: torch.nn.functional.linear(x1, w), dev, reps=20)
-            t_sparse = median_time(lambda: spinfer.spmm(x1, layer.weight_object()), dev, reps=20)
+            t = least_of_rounds({"dense": lambda: torch.nn.functional.linear(x1, w),
+                                 "spmm": lambda: spinfer.spmm(x1, layer.weight_object())}, dev, reps=20)
+            t_dense, t_sparse = t["dense"], t["spmm"]
             best_format = "dense" if t_dense < t_sparse else "tca-bme"
             stored_cases += 1
             stored_hits += auto_format == best_format

@@ -15,7 +15,7 @@ from ..format import TCABME
 from ..ops import lowbit_mm, spmm
 from ..ops.lowbit_mm import fused_max_n
 from ..quant import LowBitWeight
-from ..timing import median_time
+from ..timing import least_of_rounds
 from . import policy as P
 
 FORMATS = ("dense", "tca-bme", "lowbit")
@@ -221,8 +221,8 @@ class SparseLinear(nn.Module):
             if P.LOWBIT in self.candidates() and n <= fused_max_n(w.bits):
                 tuning.tune_lowbit(w, [n], reps=10)
         x = torch.randn(n, self.in_features, device=self._device(), dtype=self.weight_dtype)
-        return {kern: median_time(lambda: self._run(kern, x), x.device, reps=10, max_seconds=2)
-                for kern in self.candidates()}
+        return least_of_rounds({kern: (lambda kern=kern: self._run(kern, x)) for kern in self.candidates()},
+                               x.device, reps=10, max_seconds=2)
 
     def _run(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
         w = self.weight_object()

@@ -1,0 +1,33 @@
+"""spinfer.timing on the CPU: medians of host-clock calls, and least_of_rounds, which the policy's
+autotune and `spinfer bench policy` compare kernels with."""
+
+import torch
+
+import spinfer.timing as timing
+
+
+def test_median_time_on_cpu_counts_the_calls_and_is_positive():
+    calls = []
+    t = timing.median_time(lambda: calls.append(1), torch.device("cpu"), reps=7, warmup=2)
+    assert len(calls) == 9 and t > 0
+
+
+def test_least_of_rounds_interleaves_and_keeps_the_undisturbed_rounds(monkeypatch):
+    """Each call's least median over the rounds, measured a, b, a, b, ...: a stretch of slow
+    time (here the first two medians, 50x) lands on single rounds and does not decide."""
+    order, clock = [], iter([5.0, 5.0, 0.1, 0.3, 0.2, 0.25])
+
+    def fake_median(fn, device, **kwargs):
+        order.append(fn())
+        assert kwargs == {"reps": 10}
+        return next(clock)
+
+    monkeypatch.setattr(timing, "median_time", fake_median)
+    times = timing.least_of_rounds({"a": lambda: "a", "b": lambda: "b"}, torch.device("cpu"), reps=10)
+    assert order == ["a", "b"] * timing.ROUNDS
+    assert times == {"a": 0.1, "b": 0.25}
+
+
+def test_least_of_rounds_with_one_round_is_the_median():
+    times = timing.least_of_rounds({"x": lambda: torch.ones(4).sum()}, torch.device("cpu"), rounds=1, reps=3)
+    assert set(times) == {"x"} and times["x"] > 0

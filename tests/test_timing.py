@@ -28,6 +28,9 @@ def test_least_of_rounds_interleaves_and_keeps_the_undisturbed_rounds(monkeypatc
     assert times == {"a": 0.1, "b": 0.25}
 
 
-def test_least_of_rounds_with_one_round_is_the_median():
-    times = timing.least_of_rounds({"x": lambda: torch.ones(4).sum()}, torch.device("cpu"), rounds=1, reps=3)
-    assert set(times) == {"x"} and times["x"] > 0
+def test_least_of_rounds_with_one_round_is_one_median_each():
+    calls = []
+    times = timing.least_of_rounds({"x": lambda: calls.append("x"), "y": lambda: calls.append("y")},
+                                   torch.device("cpu"), rounds=1, reps=3, warmup=1)
+    assert calls == ["x"] * 4 + ["y"] * 4  # warm-up and reps of one median, then the next
+    assert set(times) == {"x", "y"} and all(t > 0 for t in times.values())

@@ -76,11 +76,11 @@ def median_time(
     return statistics.median(times)
 
 
-# Rounds of least_of_rounds. One 10-rep median can come out several times its true value: twice in
-# one H100 run of `spinfer bench policy` a candidate measured 3-5x its time in the other run and in
-# the kernel benchmarks (SpMM 160 against ~35 us, decode + dense 113 us against ~30), and each
-# such cell alone broke the issue's "never more than 10% slower" (docs/quant.md, twenty-fourth
-# session).
+# Rounds of least_of_rounds. One 10-rep median can come out several times its true value: in each
+# of two H100 runs of `spinfer bench policy` one candidate measured 3-5x its time in the other run
+# (14336x4096 at 50%, N = 1: SpMM 159.8 against 35.1 us; 1024x4096 at 50%, N = 256: decode + dense
+# 113.0 against 19.8 us, docs/policy-crossover-bulk-h100-2026-11-23.log), and each such cell alone
+# broke issue 5's "never more than 10% slower".
 ROUNDS = 3
 
 

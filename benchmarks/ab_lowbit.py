@@ -23,6 +23,7 @@ def main():
     p.add_argument("--shapes", default="14336x4096,4096x14336")
     p.add_argument("--ns", default="1,8,16")
     p.add_argument("--quant", default="4:128", help="bits:group")
+    p.add_argument("--rounds", type=int, default=1, help="least of this many rotated rounds per call")
     a = p.parse_args()
     configs = a.configs.split(",")
     bits, group = (int(v) for v in a.quant.split(":"))
@@ -35,7 +36,7 @@ def main():
         return lambda x: spinfer.lowbit_mm(x, q, out=out[: x.shape[0]])
 
     cases = build_cases(a.shapes, a.ns, dev, prepare)
-    compare(configs, cases, dev)
+    compare(configs, cases, dev, a.rounds)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K)
 variants, the three register budgets, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
-pairs, and split tail rows (at 4 and 8 bits with the sm_90 bulk weight copies and, at N > 8, the
-tensor copies of the activations, boxes below a tile (N = 9) and past N (33); or the cp.async
+pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
+and tensor copies of the activations, boxes below a tile (N = 20) and past N (33); or the cp.async
 loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets."""
 
@@ -40,7 +40,7 @@ from spinfer.quant import LowBitWeight  # noqa: E402
 for bits in (1, 2, 4, 8):
     for m, k, group, n, splits in [(333, 1000, None, 1, "1"), (70, 1280, 64, 16, "3"), (130, 1152, 32, 33, "2"),
                                    (64, 256, 128, 8, "1"), (70, 1792, 64, 5, "2"), (333, 1000, None, 9, "-1"),
-                                   (1000, 512, 64, 1, "-1")]:
+                                   (333, 1000, None, 20, "-1"), (1000, 512, 64, 1, "-1")]:
         os.environ["SPINFER_LOWBIT_SPLITS"] = splits
         os.environ["SPINFER_LOWBIT_XSUM"] = "1" if n % 2 else "0"  # both zero-point paths
         for dt in (torch.float16, torch.bfloat16):

@@ -52,18 +52,25 @@ def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", BITS)
-def test_bulk_weight_copies_equal_the_cp_async_loader(bits, dtype, monkeypatch):
-    """On sm_90 the 4- and 8-bit kernels take each stage's weight tiles in one bulk copy and read
-    them unswizzled, and its activation slice in one tensor copy per chunk, zeros past N and K
-    (LowbitPlan::bulk_weights); SPINFER_LOADER=cp_async keeps the 16-byte copies of both, the
-    loader sm_80 runs. Same accumulation order, so the outputs must be equal bit for bit, on
-    every schedule: one block per row block with the split tail rows, split-K, row pairs (odd
-    count), the balanced schedule; at N that fills no token tile (1, 7), one and a row (9, 33)
-    and K padded to whole stages (1000); and both match the reference."""
+def test_bulk_loader_equals_the_cp_async_loader(bits, dtype, monkeypatch):
+    """On sm_90 the bulk loader (LowbitPlan::bulk_weights: 4 bits with 32-token tiles) takes each
+    stage's weight tiles in one bulk copy and reads them unswizzled, and its activation slice in
+    one tensor copy per chunk, zeros past N and K; SPINFER_LOADER=cp_async keeps the 16-byte
+    copies of both, the loader sm_80 runs. Same accumulation order, so the outputs must be equal
+    bit for bit, on every schedule: one block per row block with the split tail rows, split-K,
+    row pairs (odd count), the balanced schedule; with the tile forced to 32 tokens
+    (SPINFER_LOWBIT_BN) at N that fills no tile (1, 7, 9), one and a row (33), and K padded to
+    whole stages (1000); and both match the reference. The planner's own tiles take the bulk
+    loader at 4 bits and N = 17-32 only (lowbit_mm.cuh, bulk_loader)."""
     bulk_device = torch.cuda.get_device_capability()[0] >= 9
     for m, k, group in ((4097, 1792, 128), (333, 1280, 64), (130, 1000, None)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
         b = torch.randn(m, device="cuda").to(dtype)
+        monkeypatch.delenv("SPINFER_LOADER", raising=False)
+        for n in (1, 8, 16, 32, 33):
+            bn = lowbit_plan(q, n, dtype=dtype)["bn"]
+            assert lowbit_plan(q, n, dtype=dtype)["bulk_weights"] == (bulk_device and bits == 4 and bn == 32), n
+        monkeypatch.setenv("SPINFER_LOWBIT_BN", "32")
         for splits, pairs in (("0", None), ("3", "0"), ("1", "1"), ("-1", "0")):
             monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", splits)
             if pairs is None:
@@ -76,11 +83,12 @@ def test_bulk_weight_copies_equal_the_cp_async_loader(bits, dtype, monkeypatch):
                 for loader in ("bulk", "cp_async"):
                     monkeypatch.setenv("SPINFER_LOADER", loader)
                     plan = lowbit_plan(q, n, dtype=dtype)
-                    assert plan["bulk_weights"] == (bulk_device and bits >= 4 and loader == "bulk"), plan
+                    assert plan["bn"] == 32 and plan["bulk_weights"] == (bulk_device and bits == 4 and loader == "bulk")
                     outs[loader] = fused(x, q, b)
                 label = f"M={m} splits={splits} pairs={pairs} N={n}"
                 assert torch.equal(outs["bulk"], outs["cp_async"]), label
                 assert rel_err(outs["bulk"], reference(x, q, b)) <= TOL[dtype], label
+        monkeypatch.delenv("SPINFER_LOWBIT_BN")
 
 
 @pytest.mark.parametrize("splits", ["1", "2", "7"])
@@ -230,16 +238,23 @@ def test_split_tail_rows(bits, monkeypatch):
 
 def test_planner_picks_its_schedules_exactly():
     """The planner's own choice on layers with more row blocks than two per SM (M = 28672, 24000)
-    and fewer (split-K or one block per row block), against the reference. Its row-pair rule
-    (lowbit_mm.cu, use_row_pairs): 64-row tiles at N = 1, 128-row tiles at N = 17-32, and at
-    N = 9-16 for 4 bits."""
-    for m, k in ((28672, 512), (24000, 768), (3000, 2048)):
+    and fewer (split-K or one block per row block), against the reference. Its row-pair rule at
+    4 bits (lowbit_mm.cu, use_row_pairs): 64-row tiles at N <= 8; at N = 9-32, 128-row tiles where
+    the pairs fill the SMs (M = 28672, 24000), and where the split they need keeps >= 16 stages,
+    except with the bulk loader (sm_90 at N = 17-32): M = 8192 with K = 16384 is 64 pairs split
+    round(2 SMs / 64) ways, 16 stages each on an H100; M = 3000 with K = 2048 has 8 stages."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bulk_device = torch.cuda.get_device_capability()[0] >= 9
+    for m, k in ((28672, 512), (24000, 768), (3000, 2048), (8192, 16384)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), 4, 128)
+        pairs, stages = -(-m // 128), k // 256
+        splits = min(max(1, (4 * sms + pairs) // (2 * pairs)), stages // 4)  # choose_splits (occupancy does not bind)
         for n in (1, 8, 16, 32):
             x = torch.randn(n, k, device="cuda").half()
             assert rel_err(fused(x, q), reference(x, q)) <= 2e-3, f"M={m} N={n}"
-            if n != 8:
-                assert lowbit_plan(q, n)["tile_rows"] == (64 if n == 1 else 128), f"M={m} N={n}"
+            paired = n > 8 and (pairs >= sms or (not (bulk_device and n > 16) and -(-stages // splits) >= 16))
+            assert lowbit_plan(q, n)["tile_rows"] == (128 if paired else 64), f"M={m} N={n}"
+        del q
 
 
 @pytest.mark.parametrize("bits", [1, 2])
@@ -268,9 +283,11 @@ def test_row_pairs_of_narrow_widths_at_eight_tokens(bits):
         assert rel_err(out, reference(x, q)) <= 2e-3, f"N={n}"
 
 
-def test_row_pairs_near_a_wave_run_unsplit():
+def test_row_pairs_near_a_wave_run_unsplit(monkeypatch):
     """Row pairs that make at least 3/4 of a wave run unsplit (lowbit_mm.cu); half a wave is
-    split. 4 bits at N = 16 (paired), against the reference."""
+    split. 4 bits at N = 16, paired (SPINFER_LOWBIT_PAIRS=1: the rule pairs none of these short
+    layers), against the reference."""
+    monkeypatch.setenv("SPINFER_LOWBIT_PAIRS", "1")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for pairs, unsplit in ((sms - 1, True), (-(-3 * sms // 4), True), (sms // 2, False)):
         m = 128 * pairs - 7

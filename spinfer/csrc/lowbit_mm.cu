@@ -27,9 +27,9 @@ int query_blocks_per_sm(int bits, int bn, int ng, int variant, bool bulk) {
   }
 }
 
-// Whether the device's default loader copies this width's weight tiles in bulk (sm_90, 4 and 8
-// bits); SPINFER_LOADER=cp_async overrides the launch only (lowbit_mm_plan).
-bool bulk_default(int major, int bits) { return major >= 9 && bits >= lowbit::kBulkBits; }
+// Whether the device's default loader for this width and token tile is the bulk one (sm_90,
+// lowbit::bulk_loader); SPINFER_LOADER=cp_async overrides the launch only (lowbit_mm_plan).
+bool bulk_default(int major, int bits, int bn) { return major >= 9 && bulk_loader(bits, bn); }
 
 // Resident blocks per SM of a kernel variant on a device, with the device's default loader: an
 // occupancy query costs microseconds, so it is asked once.
@@ -42,7 +42,7 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
   if (it != cache.end()) return it->second;
   int major = 8;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  const bool bulk = bulk_default(major, bits);
+  const bool bulk = bulk_default(major, bits, bn);
   const int blocks = bf16 ? query_blocks_per_sm<true>(bits, bn, ng, variant, bulk)
                           : query_blocks_per_sm<false>(bits, bn, ng, variant, bulk);
   cache.emplace(key, blocks);
@@ -82,39 +82,39 @@ int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
 bool pairs_near_a_wave(int row_pairs, int n_tiles, int sms) { return 4 * row_pairs * n_tiles >= 3 * sms; }
 
 // Row pairs (lowbit_mm.cuh: a block of 128 rows whose two 64-row halves share each activation
-// slice, so x is copied from L2 half as often) against one block per 64 rows. x's bytes per stage
-// are N / (4 bits) of the weights', so pairs pay at larger N; they also halve the blocks, which
-// a layer with few row blocks must make up with more, shorter splits. Measured on H100, one
-// process, geomean x cuBLAS, paired / not (docs/quant.md, twenty-first session):
-//  * N = 17-32 (BN = 32): faster on all four issue shapes at every width, 4-bit 28672x8192
-//    111.0 -> 93.8 us, 14336x4096 35.9 -> 34.1.
-//  * N = 9-16 (BN = 16): at 4 and 8 bits faster or equal on seven Llama shapes but 4096x4096
-//    at 4 bits (-2%) (28672x8192 4-bit 78.6 -> 63.1 us); at 1 and 2 bits faster where the
-//    pairs' splits keep >= 16 stages (28672xK, 8192x28672: +3-15%), slower where the split is
-//    short (14336x4096, 4096x4096 2-bit: -7/-8%, 4096x14336 -3%).
-//  * N <= 8 (BN = 8): at N = 8 faster at 4 bits where row pairs fill the SMs unsplit (28672x8192
-//    59.8 -> 54.8 us, 28672x4096 +7%), within 1% at 8 bits (x a quarter of the weights' bytes);
-//    at N = 1 (x: one row) slower at 4 and 8 bits nearly everywhere. So at 4 and 8 bits, BN = 8
-//    pairs only where x is at least half the weights' bytes (n >= 2 bits: 4 bits, N = 8) and row
-//    pairs fill the SMs. At 1 and 2 bits, bound by instruction issue, a paired warp group takes
-//    twice the work per stage for the same copies and loop, which pays where the paired grid is
-//    split anyway (under 3/4 of a wave of pairs) into splits of >= 16 stages. Twenty-second
-//    session, this rule against the old one, N = 1 / 8: 8192x28672 (4 splits of 28) 1-bit 41.9 /
-//    42.9 -> 39.1 / 39.9 us, 2-bit 48.1 / 48.9 -> 46.4 / 47.4; 8192x16384 (4 of 16) +1-6%. Forced
-//    pairs had lost elsewhere: 28672x8192 and 14336x4096 (pairs near or over a wave) -8 to -11%,
-//    4096x14336 (8 splits of 7) within 1%.
-// `splits` > 0: the caller's split factor; 0: the planner's. The occupancy of the paired variant
-// is asked (of a cache, under a lock) only at 1 and 2 bits, the cases that need it.
+// slice, so x is copied from L2 half as often) against one block per 64 rows. Pairs save x's
+// copies, which weigh more as N grows, but halve the blocks: a layer with fewer pairs than SMs
+// leaves SMs idle or, split to fill them, makes up with more and shorter splits. The rule:
+//  * N <= 8 (BN = 8) at 4 and 8 bits: never. H100, one process, least of 6 shuffled rounds
+//    (twenty-sixth session), 4-bit N = 8 on the two layers the old rule paired (pairs filling
+//    the SMs): 28672x8192 49.9 against 48.5 us unpaired, 28672x4096 27.0 / 26.3.
+//  * N <= 8 at 1 and 2 bits, bound by instruction issue (a paired warp group takes twice the work
+//    per stage for the same copies and loop): where the paired grid is split anyway (under 3/4
+//    of a wave of pairs), into splits of >= 16 stages (twenty-second session: 8192x28672, 4
+//    splits of 28, 1-bit N = 1 / 8 41.9 / 42.9 -> 39.1 / 39.9 us; forced pairs near or over a
+//    wave lost 8-11%).
+//  * N > 8 (BN = 16, 32): where the pairs fill every SM (28672-row layers: 224 pairs), or
+//    where the split the pairs would need keeps >= 16 stages, except with the bulk loader,
+//    whose tensor-copied activations leave pairs little to save. H100, same runs as the first
+//    point, paired against unpaired, us: 4-bit N = 16 28672x8192 52.2 / 57.2, 8192x28672 (4
+//    splits of 28) 52.2 / 52.8, 14336x4096 (112 pairs: 2 splits of 8) 19.6 / 18.8, 4096x14336
+//    (8 of 7) 19.5 / 18.9, 4096x4096 11.5 / 10.9; 8-bit N = 16 28672x8192 91.2 / 93.7, 14336x4096
+//    (2 of 16) 26.6 / 26.9, 8192x8192 (4 of 16) 30.1 / 30.6, 4096x14336 (8 of 14) 28.1 / 27.3;
+//    8-bit N = 32 8192x28672 (4 of 56) 97.0 / 99.8, 4096x4096 (8 of 4) 16.3 / 14.7; 4-bit N = 32
+//    (bulk) 28672x8192 76.0 / 78.3, 28672x4096 42.4 / 45.7, 8192x28672 72.8 / 70.4, 14336x4096
+//    25.7 / 24.5, 4096x14336 27.7 / 24.5, 8192x8192 29.1 / 27.0.
+// `splits` > 0: the caller's split factor; 0: the planner's. `bulk`: the device's default loader
+// for the tile (the plan is the same under SPINFER_LOADER=cp_async). The occupancy of the paired
+// variant is asked (of a cache, under a lock) only where the stage rule needs it.
 bool use_row_pairs(int m, int n, int bits, int bn, int ng, int n_tiles, int total_iters, int splits, int sms,
-                   int device, bool bf16) {
+                   int device, bool bf16, bool bulk) {
   if (const char* env = std::getenv("SPINFER_LOWBIT_PAIRS")) return env[0] == '1';  // A/B runs, tests
   const int tile_rows = lowbit_tile_rows(kLowbitRowPairs);
   const int row_pairs = (m + tile_rows - 1) / tile_rows;
-  if (bn == 32) return true;
-  if (bn == 8 && bits >= 4) return n >= 2 * bits && row_pairs >= sms;
+  if (bn == 8 && bits >= 4) return false;
   if (bn == 8 && (splits == 1 || (splits == 0 && pairs_near_a_wave(row_pairs, n_tiles, sms)))) return false;  // unsplit
-  if (bn == 16 && bits >= 4) return true;
-  // 1 and 2 bits: pairs where their splits keep >= 16 stages.
+  if (bn >= 16 && row_pairs * n_tiles >= sms) return true;
+  if (bulk) return false;
   const int s = splits > 0 ? splits
                            : choose_splits(row_pairs * n_tiles, sms,
                                            sms * blocks_per_sm_for(device, bf16, bits, bn, ng, kLowbitRowPairs),
@@ -175,7 +175,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   p.pdl = use_pdl(major);
-  p.bulk_weights = bulk_default(major, bits) && use_bulk_loader(major);
+  p.bulk_weights = bulk_default(major, bits, p.bn) && use_bulk_loader(major);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
   int splits = 0;  // split-K factor, or -1: the balanced schedule
@@ -183,7 +183,8 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
   const bool rule = splits == 0;  // the planner's own choice, not the caller's or SPINFER_LOWBIT_SPLITS
   const bool pairs =
-      splits >= 0 && use_row_pairs(m, n, bits, p.bn, p.ng, p.n_tiles, total_iters, splits, sms, device, bf16);
+      splits >= 0 && use_row_pairs(m, n, bits, p.bn, p.ng, p.n_tiles, total_iters, splits, sms, device, bf16,
+                                   bulk_default(major, bits, p.bn));
   const int tiled = pairs ? kLowbitRowPairs : kLowbitPerTile;  // the variant unless balanced below
   p.row_blocks = (m + lowbit_tile_rows(tiled) - 1) / lowbit_tile_rows(tiled);
   const int64_t units = static_cast<int64_t>(p.row_blocks) * total_iters;

@@ -15,9 +15,9 @@
 //    weight bytes per block are always in flight: the kernel streams each weight byte once and is fast
 //    only if HBM never waits on it. Contiguous tiles matter: with row-major weights each
 //    stage touched 64 separate 128-byte spans and HBM delivered 1.0-1.8 TB/s instead of ~2.7.
-//    On sm_90 at 4 and 8 bits the weight tile comes in one bulk copy per stage instead of
-//    16-byte cp.async from every thread (kBulkBits, BULK), and with token tiles of 16 and 32
-//    the activation slice in one tensor copy per chunk (kTmaX, encode_x_map).
+//    On sm_90 at 4 bits with 32-token tiles the weight tiles come in one bulk copy per stage
+//    and the activation slice in one tensor copy per chunk instead of 16-byte cp.async from
+//    every thread (bulk_loader, BULK, encode_x_map).
 //  * The packed format puts, inside every 128-column chunk of a row, lane t's values for the
 //    8 k16 tiles of the chunk into `bits` consecutive words (spinfer/quant/lowbit.py,
 //    `fragment_order`): a lane reads its share of a row with one 4..32-byte shared load and
@@ -120,27 +120,23 @@ template <int BITS>
 __host__ __device__ constexpr int weight_row_bytes() {
   return (BITS == 8 ? 1 : 2) * 128 * BITS / 8;
 }
-// With LowbitPlan::bulk_weights (sm_90, BITS >= kBulkBits) a stage's weight tile arrives as one
-// bulk copy of the format's rows as they are, unswizzled: the 2-way bank conflicts of the 4- and
-// 8-bit loads (rows g and g + 1 of a phase on the same banks) cost less than the 16-byte copies
-// from every thread. H100, two builds, processes interleaved, four issue shapes x N = 1 / 8 / 16 /
-// 32: 4-bit g128 +10.7% (geomean; +0.6% to +21%, 28672x8192 N = 16 64.2 -> 53.0 us), 8-bit +8.6%.
-// A probe that read the unswizzled tiles at swizzled addresses (wrong results, conflict-free
-// timing) was ~1.5% faster still, the most a pre-swizzled format could add. At 1 and 2 bits,
-// which issue one copy or less per thread and stage and are bound by instruction issue, the
-// probe measured 2.8% / 0.8% slower (N = 1: -4 to -8%), so they keep cp.async (docs/quant.md,
-// twenty-fourth session).
-constexpr int kBulkBits = 4;
-// With the bulk loader, token tiles of at least this many rows also take each stage's activation
-// slice in tensor copies (one per chunk, Layout) instead of 16-byte cp.async from every thread.
-// H100, two builds, processes interleaved, four issue shapes (docs/quant.md, twenty-fifth
-// session), N = 16 and 32: 4-bit g128 +2.9% geomean (N = 32 +1.1% to +7.2%, 28672x8192 81.9 ->
-// 76.4 us; N = 16 -1.5% to +2.9%), 8-bit +1.0%. At N = 1 and 8 (BN = 8) -2.5% to +1.1%, worst on
-// split-K layers even with the tensor map prefetched (8192x28672 N = 1 50.5 -> 51.7 us), so BN = 8
-// keeps cp.async.
-constexpr int kTmaXMinBN = 16;
-template <bool BULK, int BN>
-constexpr bool kTmaX = BULK && BN >= kTmaXMinBN;
+// The bulk loader (LowbitPlan::bulk_weights, sm_90): thread 0 copies each stage's weight tiles in
+// one bulk copy each, as the format stores them (unswizzled: the 4- and 8-bit loads of rows g and
+// g + 1 of a phase meet on the same banks, 2 ways), and its activation slice in one tensor copy
+// per chunk (Layout, encode_x_map), instead of 16-byte cp.async from every thread. It pays where
+// the activation slice is at least twice a 64-row weight tile's bytes (BN >= 8 x bits; of the
+// widths it is built for, 4 bits at BN = 32), where the copies it saves are mostly activation
+// copies. H100, one process, the two loaders on the same plan, least of 6 shuffled rounds
+// (docs/quant.md, twenty-sixth session), eight Llama shapes: 4-bit BN = 32 (N = 32) bulk ahead
+// on the 28672-row layers (28672x8192 76.0 against 81.1 us, 28672x4096 42.4 / 44.6) and on the
+// unpaired 8192x28672 (70.4 / 75.7); at BN <= 16 cp.async ahead or within 1% on every layer
+// (4-bit 14336x4096 N = 1 / 8 / 16: 16.3 / 16.1 / 19.6 against 17.3 / 17.6 / 20.6 us; 8-bit
+// 28672x8192 N = 16 91.2 against 95.9), and at 8 bits at every tile (x a quarter to half the
+// weights' bytes). A probe that read the unswizzled tiles at swizzled addresses (wrong results,
+// conflict-free timing: the most a pre-swizzled format could give) left cp.async ahead at
+// BN <= 16 too. 1 and 2 bits, bound by instruction issue, measured slower with bulk weight
+// copies (twenty-fourth session) and keep cp.async.
+__host__ __device__ constexpr bool bulk_loader(int bits, int bn) { return bits >= 4 && bn >= 8 * bits; }
 
 template <int BITS>
 __device__ __forceinline__ int piece_swizzle(int r) {
@@ -152,7 +148,7 @@ __device__ __forceinline__ int piece_swizzle(int r) {
 
 // One stage: [RB x 64 weight rows][row bytes] [RB x 64 rows][U*NG (scale, zero) pairs] then the
 // activation slice: [BN][x stride] with cp.async, or with tensor copies of the activations
-// (TMA_X: the bulk loader at BN >= kTmaXMinBN) one [BN][x stride] region per chunk, the stride a
+// (TMA_X: the bulk loader) one [BN][x stride] region per chunk, the stride a
 // chunk's columns + 16.
 // Either way the x stride is 16 halves more than the columns a row holds: row g's 8-byte
 // B-fragment loads start 32 bytes after row g-1's (mod 128), so a half-warp (4 rows x 4 lanes)
@@ -290,16 +286,16 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
 // CROSS: ranges may cross row blocks (the balanced schedule); without it a block's range is
 // one row block's stages, and the kernel keeps none of the bookkeeping for more.
 // RB: 64-row blocks per block (1, or 2 without CROSS: row pairs).
-// The kernel's body (lowbit_mm_kernel below). BULK: each stage's weight tiles come in one bulk
-// copy (LowbitPlan::bulk_weights), read unswizzled, and at BN >= 16 (kTmaX) its activation slice in
-// one tensor copy per chunk through x_map (encode_x_map); otherwise 16-byte cp.async from every
+// The kernel's body (lowbit_mm_kernel below). BULK (bulk_loader): each stage's weight tiles come
+// in one bulk copy (LowbitPlan::bulk_weights), read unswizzled, and its activation slice in one
+// tensor copy per chunk through x_map (encode_x_map); otherwise 16-byte cp.async from every
 // thread, the weights into swizzled rows.
 template <bool kBF16, int BITS, int BN, int NG, bool CROSS, int RB, bool BULK>
 __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int chunks, const int64_t split_stride,
                                                const int iters_per_split, const CUtensorMap* x_map) {
   static_assert(RB == 1 || (RB == 2 && !CROSS), "row pairs only in the one-block-per-tile grids");
-  static_assert(!BULK || BITS >= kBulkBits, "bulk weight copies at 4 and 8 bits only");
-  constexpr bool tma_x = kTmaX<BULK, BN>;
+  static_assert(!BULK || bulk_loader(BITS, BN), "the bulk loader's kernels are built where it pays");
+  constexpr bool tma_x = BULK;  // the activations' tensor copies
   using L = Layout<BITS, BN, NG, CROSS, RB, tma_x>;
   constexpr int kTileRows = L::kTileRows;  // output rows of a block's tile
   constexpr int U = L::U;
@@ -789,7 +785,7 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
 #endif
 }
 
-// x_map: the activations' tensor map (BULK at BN >= kTmaXMinBN; encode_x_map), a kernel parameter
+// x_map: the activations' tensor map (BULK; encode_x_map), a kernel parameter
 // so that the copies can name it (__grid_constant__); unused by the other kernels.
 template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS, int RB, bool BULK>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
@@ -818,7 +814,7 @@ struct Launcher {
   static constexpr bool BALANCED = V == kLowbitBalanced;
   static constexpr int RB = V == kLowbitRowPairs ? 2 : 1;
   static constexpr int kSmem = Layout<BITS, BN, NG, BALANCED, RB>::kSmemBytes;  // the cp.async loader's
-  static constexpr int kSmemBulk = Layout<BITS, BN, NG, BALANCED, RB, kTmaX<true, BN>>::kSmemBytes;
+  static constexpr int kSmemBulk = Layout<BITS, BN, NG, BALANCED, RB, true>::kSmemBytes;
   static constexpr int smem(bool bulk) { return bulk ? kSmemBulk : kSmem; }
   // Row pairs: the register cap allows as many resident blocks as H100's shared memory (228 KB
   // an SM, 1 KB reserved per block) holds, and at BN >= 16 no more than 2: with 3 (80
@@ -834,14 +830,14 @@ struct Launcher {
   // The host sizes split-K workspaces and grids by lowbit_tile_rows (lowbit_mm.h).
   static_assert(Layout<BITS, BN, NG, BALANCED, RB>::kTileRows == lowbit_tile_rows(V), "one tile height");
   static constexpr int kMinB = BALANCED ? kBalancedPerSM : RB == 2 ? kRowPairBlocks : kMinBlocks<BITS, BN>;
-  // The kernel for a loader: bulk weight copies exist at 4 and 8 bits only.
+  // The kernel for a loader: the bulk loader's exists where it pays (bulk_loader).
   static auto kernel(bool bulk) {
-    if constexpr (BITS >= kBulkBits)
+    if constexpr (bulk_loader(BITS, BN))
       if (bulk) return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, true>;
     return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, false>;
   }
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-    const bool bulk = BITS >= kBulkBits && plan.bulk_weights;
+    const bool bulk = bulk_loader(BITS, BN) && plan.bulk_weights;
     if (cudaError_t err = allow_smem(bulk); err != cudaSuccess) return err;
     // Balanced: (token tiles, blocks); else (token tiles, row blocks, splits) of
     // plan.iters_per_split stages each.
@@ -854,7 +850,7 @@ struct Launcher {
     a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
     CUtensorMap x_map;
     std::memset(&x_map, 0, sizeof x_map);  // the cp.async loader never reads it
-    if (bulk && kTmaX<true, BN>)
+    if (bulk)
       if (cudaError_t err = encode_x_map(&x_map, args.x, args.n, args.kp, BN, kBF16); err != cudaSuccess) return err;
     return launch_kernel(kernel(bulk), grid, kThreads, smem(bulk), stream, plan.pdl, a, plan.chunks, split_stride,
                          plan.iters_per_split, x_map);

@@ -76,11 +76,11 @@ struct LowbitPlan {
   int64_t workspace_floats;
   int counters;
   bool pdl;        // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
-  // Each stage's weight tiles come in one bulk copy (cp.async.bulk, completing on an mbarrier)
-  // issued by one thread, unswizzled, instead of 16-byte cp.async from every thread into
-  // XOR-swizzled rows: sm_90 at 4 and 8 bits (lowbit_mm.cuh, kBulkBits); with token tiles of 16
-  // and 32 the activation slices come in tensor copies too (kTmaX). SPINFER_LOADER=cp_async
-  // keeps the cp.async loader (tests, A/B runs), as for the SMBD kernel.
+  // The bulk loader: each stage's weight tiles come in one bulk copy (cp.async.bulk, completing
+  // on an mbarrier) issued by one thread, unswizzled, and its activation slice in tensor copies,
+  // instead of 16-byte cp.async from every thread into XOR-swizzled rows: sm_90 at 4 bits with
+  // 32-token tiles (lowbit_mm.cuh, bulk_loader). SPINFER_LOADER=cp_async keeps the cp.async
+  // loader (tests, A/B runs), as for the SMBD kernel.
   bool bulk_weights;
 };
 

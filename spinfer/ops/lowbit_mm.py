@@ -161,9 +161,9 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     ``iters_per_split`` (stages per split-K block), ``resident_blocks`` per SM (CUDA's occupancy
     calculator), whether it is the ``balanced`` schedule, the split tail rows (``tail_first``:
     the first split row block, ``tail_splits`` ways of ``tail_iters`` stages; 0 when none), and
-    whether each stage's weight tiles come in one bulk copy (``bulk_weights``: sm_90 at 4 and 8
-    bits, unless ``SPINFER_LOADER=cp_async``; with ``bn`` 16 and 32 the activation slices then come
-    in tensor copies too).
+    whether the bulk loader runs (``bulk_weights``: each stage's weight tiles in one bulk copy and
+    its activation slice in tensor copies; sm_90 at 4 bits with ``bn`` 32, unless
+    ``SPINFER_LOADER=cp_async``).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)

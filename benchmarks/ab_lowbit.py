@@ -23,7 +23,7 @@ def main():
     p.add_argument("--shapes", default="14336x4096,4096x14336")
     p.add_argument("--ns", default="1,8,16")
     p.add_argument("--quant", default="4:128", help="bits:group")
-    p.add_argument("--rounds", type=int, default=1, help="least of this many rotated rounds per call")
+    p.add_argument("--rounds", type=int, default=1, help="least of this many shuffled rounds per call")
     a = p.parse_args()
     configs = a.configs.split(",")
     bits, group = (int(v) for v in a.quant.split(":"))

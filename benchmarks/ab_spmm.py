@@ -35,7 +35,7 @@ def main():
     p.add_argument("--shapes", default="28672x8192,4096x14336")
     p.add_argument("--ns", default="1,8,16,32")
     p.add_argument("--sparsity", type=float, default=0.5)
-    p.add_argument("--rounds", type=int, default=1, help="least of this many rotated rounds per call")
+    p.add_argument("--rounds", type=int, default=1, help="least of this many shuffled rounds per call")
     a = p.parse_args()
     configs = a.configs.split(",")
     spinfer.build.load_extension()

@@ -10,14 +10,13 @@ SPLIT_FIXED); 'auto' is the planner's own choice.
 import argparse
 import math
 import os
-import random
 
 import torch
 import torch.nn.functional as F
 
 import spinfer
 from spinfer.format import TCABME
-from spinfer.timing import median_time
+from spinfer.timing import least_of_rounds
 
 
 def apply(config):
@@ -68,26 +67,18 @@ def build_cases(shapes, ns, dev, prepare):
 def compare(configs, cases, dev, rounds=1):
     """Times each case's (cuBLAS, op) pair with the op under every configuration, interleaved in
     one process; prints x cuBLAS (us) per case and the geomean per configuration. With rounds > 1
-    each case is timed that many times, round r > 0 in an order shuffled by a generator seeded
-    with r, and each call keeps its least median (as spinfer.timing.least_of_rounds). On H100 a
-    median is now and then ~1 us slower than its call's others (H100, 4-bit 14336x4096 N = 1:
-    17.5 us, and 18.5 in 3 of 6 rounds), and with the order only rotated one configuration took
-    that in all three of its rounds, in two processes, 5% off an identical plan; six shuffled
-    rounds gave identical plans the same least median in every case tried."""
+    each call keeps its least median over that many rounds, rounds after the first in a shuffled
+    order (spinfer.timing.least_of_rounds with shuffle): six such rounds gave identical plans
+    under two names the same least median in every case tried (docs/quant.md, twenty-sixth
+    session). A configuration's environment is applied inside its call, before the launch (host
+    time, which the device-time measurement does not see)."""
     logs = {c: [] for c in configs}
     for label, ref, op in cases:
-        best = {}
-        for r in range(rounds):
-            t = median_time(ref, dev, reps=40)
-            best["cuBLAS"] = min(best.get("cuBLAS", t), t)
-            order = configs[:]
-            if r:
-                random.Random(r).shuffle(order)
-            for c in order:
-                apply(c)
-                t = median_time(op, dev, reps=40)
-                best[c] = min(best.get(c, t), t)
-            apply("auto")
+        fns = {"cuBLAS": ref}
+        for c in configs:
+            fns[c] = lambda c=c: (apply(c), op())
+        best = least_of_rounds(fns, dev, rounds=rounds, shuffle=True, reps=40)
+        apply("auto")
         t_ref = best["cuBLAS"]
         cells = []
         for c in configs:

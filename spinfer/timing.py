@@ -12,6 +12,7 @@ overhead per call is a separate figure (``host_overhead``).
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Callable, Dict, Optional
@@ -85,15 +86,22 @@ ROUNDS = 3
 
 
 def least_of_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, *, rounds: int = ROUNDS,
-                    **kwargs) -> Dict[str, float]:
+                    shuffle: bool = False, **kwargs) -> Dict[str, float]:
     """The least of ``rounds`` medians (:func:`median_time`, ``kwargs`` as there) of each of
     ``fns``, measured round by round with the calls interleaved: a disturbance that slows one
     stretch of time lands on one round of one call, and the comparison of the calls keeps the
-    undisturbed rounds."""
+    undisturbed rounds. ``shuffle``: round r > 0 runs the calls in an order shuffled by a
+    generator seeded with r (reproducible). The A/B scripts (benchmarks/ab_spmm.py) use it: on
+    H100 a median is now and then ~1 us slower than its call's others, and with a fixed or
+    rotated order one call could take that in every round (docs/quant.md, twenty-sixth session)."""
     times: Dict[str, float] = {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = median_time(fn, device, **kwargs)
+    names = list(fns)
+    for r in range(rounds):
+        order = names[:]
+        if shuffle and r:
+            random.Random(r).shuffle(order)
+        for name in order:
+            t = median_time(fns[name], device, **kwargs)
             times[name] = min(times.get(name, t), t)
     return times
 

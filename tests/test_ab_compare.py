@@ -1,5 +1,6 @@
-"""benchmarks/ab_spmm.compare, the A/B harness of the planner's tuning runs, on the CPU: rounds
-rotate the configurations' order and each call keeps its least median."""
+"""benchmarks/ab_spmm.compare, the A/B harness of the planner's tuning runs, on the CPU: each
+call keeps its least median over shuffled rounds (spinfer.timing.least_of_rounds), and each
+configuration's environment is in force when its op runs."""
 
 import os
 import sys
@@ -8,24 +9,29 @@ from pathlib import Path
 import pytest
 import torch
 
+import spinfer.timing as timing
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ab_spmm  # noqa: E402
 
 
-def test_rounds_reorder_the_configurations_and_keep_the_least(monkeypatch, capsys):
+def test_rounds_reorder_the_calls_and_keep_the_least(monkeypatch, capsys):
     monkeypatch.delenv("SPINFER_X", raising=False)
-    seen = []  # (config the op ran under) per median
-    # cuBLAS 10 us; the op under a: 6, then 2 (a later round is undisturbed); under b: 5, 5.
-    clock = iter([10e-6, 6e-6, 5e-6, 10e-6, 5e-6, 2e-6])
+    seen = []  # what each median ran: cuBLAS, or the op under a configuration's environment
+    # round 0 in the given order: cuBLAS 10 us, the op under auto 6, under X=1 5; round 1 in
+    # random.Random(1)'s order: auto 2 (undisturbed), X=1 5, cuBLAS 10.
+    clock = iter([10e-6, 6e-6, 5e-6, 2e-6, 5e-6, 10e-6])
 
     def fake_median(fn, device, **kwargs):
-        seen.append(fn())
+        assert kwargs == {"reps": 40}
+        out = fn()
+        seen.append(out if isinstance(out, str) else out[1])
         return next(clock)
 
-    monkeypatch.setattr(ab_spmm, "median_time", fake_median)
+    monkeypatch.setattr(timing, "median_time", fake_median)
     cases = [("case", lambda: "cuBLAS", lambda: os.environ.get("SPINFER_X", "auto"))]
     ab_spmm.compare(["auto", "X=1"], cases, torch.device("cpu"), rounds=2)
-    assert seen == ["cuBLAS", "auto", "1", "cuBLAS", "1", "auto"]  # round 1: random.Random(1)'s order
+    assert seen == ["cuBLAS", "auto", "1", "auto", "1", "cuBLAS"]
     row, summary = capsys.readouterr().out.splitlines()
     assert row == "case cuBLAS   10.0 | 5.00 (   2.0) | 2.00 (   5.0)"
     assert summary == "geomean x cuBLAS: auto: 5.000 | X=1: 2.000"
@@ -34,8 +40,8 @@ def test_rounds_reorder_the_configurations_and_keep_the_least(monkeypatch, capsy
 
 @pytest.mark.parametrize("rounds", [1, 3])
 def test_every_configuration_runs_once_per_round(monkeypatch, rounds):
-    monkeypatch.setattr(ab_spmm, "median_time", lambda fn, device, **kw: fn() or 1e-6)
+    monkeypatch.setattr(timing, "median_time", lambda fn, device, **kw: fn() and 1e-6)
     runs = []
-    cases = [("c", lambda: None, lambda: runs.append(os.environ.get("SPINFER_X", "auto")))]
+    cases = [("c", lambda: True, lambda: runs.append(os.environ.get("SPINFER_X", "auto")))]
     ab_spmm.compare(["auto", "X=1", "X=2"], cases, torch.device("cpu"), rounds=rounds)
     assert sorted(runs) == sorted(["auto", "1", "2"] * rounds)

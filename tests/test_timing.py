@@ -34,3 +34,20 @@ def test_least_of_rounds_with_one_round_is_one_median_each():
                                    torch.device("cpu"), rounds=1, reps=3, warmup=1)
     assert calls == ["x"] * 4 + ["y"] * 4  # warm-up and reps of one median, then the next
     assert set(times) == {"x", "y"} and all(t > 0 for t in times.values())
+
+
+def test_least_of_rounds_shuffles_rounds_after_the_first(monkeypatch):
+    """shuffle=True: round 0 in the given order, round r > 0 in random.Random(r)'s order, so no
+    call keeps one place (or one neighbour) in every round."""
+    import random
+
+    order = []
+    monkeypatch.setattr(timing, "median_time", lambda fn, device, **kw: order.append(fn()) or 1.0)
+    names = ["a", "b", "c", "d"]
+    timing.least_of_rounds({n: (lambda n=n: n) for n in names}, torch.device("cpu"), rounds=3, shuffle=True)
+    want = names[:]
+    for r in (1, 2):
+        shuffled = names[:]
+        random.Random(r).shuffle(shuffled)
+        want += shuffled
+    assert order == want and order[4:8] != names

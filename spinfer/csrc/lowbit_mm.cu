@@ -175,7 +175,8 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   p.pdl = use_pdl(major);
-  p.bulk_weights = bulk_default(major, bits, p.bn) && use_bulk_loader(major);
+  const bool bulk_tile = bulk_default(major, bits, p.bn);  // the device's loader for the tile (plans follow it)
+  p.bulk_weights = bulk_tile && use_bulk_loader(major);
   const int u = bits == 8 ? 1 : 2;  // chunks_per_stage<bits>()
   const int total_iters = (p.chunks + u - 1) / u;
   int splits = 0;  // split-K factor, or -1: the balanced schedule
@@ -183,8 +184,8 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
   const bool rule = splits == 0;  // the planner's own choice, not the caller's or SPINFER_LOWBIT_SPLITS
   const bool pairs =
-      splits >= 0 && use_row_pairs(m, n, bits, p.bn, p.ng, p.n_tiles, total_iters, splits, sms, device, bf16,
-                                   bulk_default(major, bits, p.bn));
+      splits >= 0 &&
+      use_row_pairs(m, n, bits, p.bn, p.ng, p.n_tiles, total_iters, splits, sms, device, bf16, bulk_tile);
   const int tiled = pairs ? kLowbitRowPairs : kLowbitPerTile;  // the variant unless balanced below
   p.row_blocks = (m + lowbit_tile_rows(tiled) - 1) / lowbit_tile_rows(tiled);
   const int64_t units = static_cast<int64_t>(p.row_blocks) * total_iters;

@@ -36,6 +36,24 @@ def reference(x, q, bias=None):
     return y if bias is None else y + bias.double()
 
 
+def rule_splits(blocks, stages, sms, resident=None):
+    """lowbit_mm.cu's choose_splits: unsplit with a block per SM; else round(2 SMs / blocks)
+    splits of >= 4 stages with every block resident, or one more where that spreads the blocks
+    more evenly over the SMs (blocks / (SMs x ceil(blocks / SMs)) larger). resident=None: the
+    occupancy does not bind."""
+    if blocks >= sms:
+        return 1
+    cap = max(1, min(stages // 4, resident * sms // blocks if resident else stages))
+    want = min((4 * sms + blocks) // (2 * blocks), cap)
+
+    def spread(s):  # splits of ceil(stages / s) stages, none empty
+        per = -(-stages // s)
+        b = blocks * -(-stages // per)
+        return b / (sms * -(-b // sms))
+
+    return want + 1 if want < cap and spread(want + 1) > spread(want) else want
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"K{g[0]}-g{g[1]}")
 @pytest.mark.parametrize("bits", BITS)
@@ -250,12 +268,36 @@ def test_planner_picks_its_schedules_exactly():
     for m, k in ((28672, 512), (24000, 768), (3000, 2048), (8192, 16384)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), 4, 128)
         pairs, stages = -(-m // 128), k // 256
-        splits = min(max(1, (4 * sms + pairs) // (2 * pairs)), stages // 4)  # choose_splits (occupancy does not bind)
+        splits = rule_splits(pairs, stages, sms)
         for n in (1, 8, 16, 32):
             x = torch.randn(n, k, device="cuda").half()
             assert rel_err(fused(x, q), reference(x, q)) <= 2e-3, f"M={m} N={n}"
             paired = n > 8 and (pairs >= sms or (not (bulk_device and n > 16) and -(-stages // splits) >= 16))
             assert lowbit_plan(q, n)["tile_rows"] == (128 if paired else 64), f"M={m} N={n}"
+        del q
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_split_rule_spreads_blocks_evenly(bits):
+    """Layers with fewer row blocks than SMs split round(2 SMs / blocks) ways, or one way more
+    where the blocks then spread more evenly over the SMs (rule_splits): on an H100 (132 SMs)
+    6144x4096's 96 row blocks split 4 ways (384 blocks, 120 SMs holding 3) instead of 3 (288, 24
+    SMs holding 3), 4096x4096's 64 stay at 4. Against the reference, with the split count the
+    plan reports."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, k in ((6144, 4096), (4096, 4096), (3584, 7168), (2560, 8192), (5120, 2048)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 128)
+        stages = k // (128 if bits == 8 else 256)
+        for n in (1, 16):
+            plan = lowbit_plan(q, n)
+            assert plan["tile_rows"] == 64 and not plan["balanced"] and plan["tail_splits"] == 0, plan
+            want = rule_splits(plan["row_blocks"], stages, sms, plan["resident_blocks"])
+            per = -(-stages // want)
+            assert (plan["splits"], plan["iters_per_split"]) == (-(-stages // per), per), f"{m}x{k} N={n}: {plan}"
+            if sms == 132 and (m, k) == (6144, 4096):
+                assert plan["splits"] == 4
+            x = torch.randn(n, k, device="cuda").half()
+            assert rel_err(fused(x, q), reference(x, q)) <= 2e-3, f"{m}x{k} N={n}"
         del q
 
 
@@ -270,7 +312,7 @@ def test_row_pairs_of_narrow_widths_at_eight_tokens(bits):
     for m, k in ((8192, 16384), (8192, 8192), (128 * sms, 4096)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 64)
         pairs, stages = -(-m // 128), k // 256
-        splits = min(max(1, (4 * sms + pairs) // (2 * pairs)), stages // 4)  # choose_splits (occupancy does not bind)
+        splits = rule_splits(pairs, stages, sms)
         want = 4 * pairs < 3 * sms and -(-stages // splits) >= 16
         for n in (1, 8):
             assert (lowbit_plan(q, n)["tile_rows"] == 128) == want, f"M={m} K={k} N={n}"

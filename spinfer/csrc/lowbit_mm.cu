@@ -69,32 +69,28 @@ cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s)
 // One split more where that spreads the blocks more evenly over the SMs: a block is bound by
 // latency, so the SMs holding one block more than the others set the end (docs/quant.md,
 // twenty-seventh session). H100, one process, least of 4 shuffled rounds, 4-bit N = 1 / 16:
-// 6144x4096 (96 row blocks) 12.5 / 14.2 us with round(2 x 132 / 96) = 3 splits (288 blocks: 24
-// SMs hold 3, 108 hold 2), 11.8 / 12.7 with 4 (384: 120 SMs hold 3); 8-bit 15.8 / 16.4 against
+// 6144x4096 (96 row blocks) 12.5 / 14.1 us with round(2 x 132 / 96) = 3 splits (288 blocks: 24
+// SMs hold 3, 108 hold 2), 11.8 / 12.7 with 4 (384: 120 SMs hold 3); 8-bit 15.6 / 16.4 against
 // 15.2 / 15.3. Where round(2 SMs / blocks) already spreads them evenly (64, 80, 112, 128 row
 // blocks) it stays; fewer splits than that, where they spread more evenly, lost (3584x18944, 56
 // row blocks: 4 instead of 5 splits, 2-bit N = 1 21.4 against 20.4 us).
 constexpr int kMaxGridZ = 65535;  // splits: the grid's z dimension
-
-// Of `blocks` spread over `sms` SMs, the share of the busiest SM's load that the average is, as
-// the fraction num / den: blocks / (sms x ceil(blocks / sms)).
-struct Evenness {
-  int64_t num, den;
-  bool operator>(const Evenness& o) const { return num * o.den > o.num * den; }
-};
-Evenness evenness(int64_t blocks, int sms) { return {blocks, sms * ((blocks + sms - 1) / sms)}; }
 
 int choose_splits(int base_blocks, int sms, int slots, int total_iters) {
   if (base_blocks >= sms) return 1;
   constexpr int kMinItersPerSplit = 4;
   const int cap = std::max(1, std::min(slots / base_blocks, total_iters / kMinItersPerSplit));
   const int want = std::min((4 * sms + base_blocks) / (2 * base_blocks), cap);  // round(2 * sms / base_blocks)
-  // A count's blocks: splits of ceil(total / s) stages, none empty (lowbit_mm_plan).
-  auto spread = [&](int s) {
+  if (want == cap) return want;
+  // A count's blocks (splits of ceil(total / s) stages, none empty: lowbit_mm_plan) and how evenly
+  // they spread: blocks / (sms x ceil(blocks / sms)), compared as fractions.
+  auto blocks = [&](int s) {
     const int per = (total_iters + s - 1) / s;
-    return evenness(static_cast<int64_t>(base_blocks) * ((total_iters + per - 1) / per), sms);
+    return static_cast<int64_t>(base_blocks) * ((total_iters + per - 1) / per);
   };
-  return want < cap && spread(want + 1) > spread(want) ? want + 1 : want;
+  const int64_t b0 = blocks(want), b1 = blocks(want + 1);
+  const int64_t busiest0 = (b0 + sms - 1) / sms, busiest1 = (b1 + sms - 1) / sms;
+  return b1 * busiest0 > b0 * busiest1 ? want + 1 : want;
 }
 
 // Whether a layer's row pairs (128-row tiles, all token tiles) make at least 3/4 of a wave: the

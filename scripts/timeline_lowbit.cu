@@ -1,7 +1,8 @@
 // Where a fused low-bit launch spends the time that does not scale with K: per-block timestamps
 // (%globaltimer) at block entry, first stage ready, main loop done and output stored, for one
-// 4-bit g128 layer at N = 1, L2 flushed before every launch. The kernel is the library's
-// (lowbit_mm.cuh) compiled with SPINFER_TIMELINE, launched unsplit without PDL.
+// 4-bit g128 layer at N = 1, or N = TIMELINE_N tokens (up to 16: one token tile of 8 or 16), L2
+// flushed before every launch. The kernel is the library's per-tile one (lowbit_mm.cuh) compiled
+// with SPINFER_TIMELINE, launched unsplit without PDL.
 //
 //   nvcc -std=c++17 -O3 -DSPINFER_TIMELINE -Ispinfer/csrc -gencode=arch=compute_90a,code=sm_90a \
 //        scripts/timeline_lowbit.cu -o /tmp/timeline_lowbit && /tmp/timeline_lowbit [M] [K,K,...] [reps] [balanced]
@@ -66,6 +67,9 @@ int main(int argc, char** argv) {
   const std::string schedule = argc > 4 ? argv[4] : "";
   const bool balanced = schedule == "balanced";
   const int tail_splits = schedule.rfind("tail:", 0) == 0 ? std::atoi(schedule.c_str() + 5) : 0;
+  const int n = std::getenv("TIMELINE_N") ? std::atoi(std::getenv("TIMELINE_N")) : 1;
+  if (n < 1 || n > 16) return std::fprintf(stderr, "TIMELINE_N must be 1..16\n"), 2;
+  const int bn = n <= 8 ? 8 : 16;
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   if (m % 64 || m / 64 > (1 << 16)) return std::fprintf(stderr, "M must be a multiple of 64, at most 2^22\n"), 2;
@@ -79,7 +83,7 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  std::printf("M=%d, 4-bit g128, N=1, %s, no PDL, L2 flushed; medians of %d launches (us)\n", m,
+  std::printf("M=%d, 4-bit g128, N=%d (BN=%d), %s, no PDL, L2 flushed; medians of %d launches (us)\n", m, n, bn,
               balanced ? "balanced schedule" : tail_splits ? "tail rows split" : "unsplit", reps);
   std::printf("%6s %7s | %14s | %6s %7s %6s | %27s | %8s\n", "K", "event", "starts p50/max", "first", "loop",
               "epil.", "ends p10/p50/p90/max", "uncovered");
@@ -92,24 +96,25 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&sz, size_t(m) * groups * 4));
     std::vector<uint32_t> pairs(size_t(m) * groups, 0x4800211fu);  // (scale 0.01, zero 8) as halves
     CHECK(cudaMemcpy(sz, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMalloc(&x, size_t(k) * 2));
-    std::vector<uint16_t> ones(k, 0x3c00);
-    CHECK(cudaMemcpy(x, ones.data(), size_t(k) * 2, cudaMemcpyHostToDevice));
-    CHECK(cudaMalloc(&y, size_t(m) * 2));
+    CHECK(cudaMalloc(&x, size_t(n) * k * 2));
+    std::vector<uint16_t> ones(size_t(n) * k, 0x3c00);
+    CHECK(cudaMemcpy(x, ones.data(), size_t(n) * k * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&y, size_t(m) * n * 2));
 
     LowbitArgs a{};
     a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
-    a.m = m, a.n = 1, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
+    a.m = m, a.n = n, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
     a.rotate = lowbit_rotate();  // as the library: SPINFER_LOWBIT_ROTATE=0 turns it off
     LowbitPlan p{};
-    p.bn = 8, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
+    p.bn = bn, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
     const BalancedGrid g =
         balanced_grid(sms, lowbit::kBalancedPerSM, 1, p.row_blocks, int64_t(p.row_blocks) * (k / 256));
     p.grid_blocks = balanced ? g.blocks : p.row_blocks;
     p.splits = balanced ? g.shares : 1;
     p.iters_per_split = k / 256;  // one split: the whole row
-    // 4: the resident blocks of this BN = 8 variant
-    if (const TailSplit t = tail_split(p.row_blocks, sms, 4, k / 256, tail_splits); tail_splits > 1 && t.splits > 1) {
+    // The resident blocks of the variant: what its register cap allows (shared memory allows more).
+    const int resident = bn == 16 ? lowbit::kMinBlocks<4, 16> : lowbit::kMinBlocks<4, 8>;
+    if (const TailSplit t = tail_split(p.row_blocks, sms, resident, k / 256, tail_splits); tail_splits > 1 && t.splits > 1) {
       p.tail_first = t.first, p.tail_splits = t.splits, p.tail_iters = t.iters;  // as the planner
       p.grid_blocks = t.first + (p.row_blocks - t.first) * t.splits;
       p.splits = t.splits;
@@ -118,14 +123,17 @@ int main(int argc, char** argv) {
     float* workspace = nullptr;
     int* counters = nullptr;
     if (p.splits > 1) {
-      CHECK(cudaMalloc(&workspace, size_t(p.splits) * p.row_blocks * 8 * 64 * 4));
+      CHECK(cudaMalloc(&workspace, size_t(p.splits) * p.row_blocks * bn * 64 * 4));
       CHECK(cudaMalloc(&counters, size_t(p.row_blocks) * 4));
       CHECK(cudaMemset(counters, 0, size_t(p.row_blocks) * 4));
     }
     a.workspace = workspace, a.counters = counters;
     auto launch = [&] {
-      return balanced ? lowbit::Launcher<false, 4, 8, 1, true>::launch(a, p, 0)
-                      : lowbit::Launcher<false, 4, 8, 1, false>::launch(a, p, 0);
+      if (bn == 16)
+        return balanced ? lowbit::Launcher<false, 4, 16, 1, kLowbitBalanced>::launch(a, p, 0)
+                        : lowbit::Launcher<false, 4, 16, 1, kLowbitPerTile>::launch(a, p, 0);
+      return balanced ? lowbit::Launcher<false, 4, 8, 1, kLowbitBalanced>::launch(a, p, 0)
+                      : lowbit::Launcher<false, 4, 8, 1, kLowbitPerTile>::launch(a, p, 0);
     };
 
     std::vector<double> ev, s50, smax, first, loop, epil, e10, e50, e90, emax, unc;

@@ -112,8 +112,9 @@ int main(int argc, char** argv) {
     p.grid_blocks = balanced ? g.blocks : p.row_blocks;
     p.splits = balanced ? g.shares : 1;
     p.iters_per_split = k / 256;  // one split: the whole row
-    // The resident blocks of the variant: what its register cap allows (shared memory allows more).
-    const int resident = bn == 16 ? lowbit::kMinBlocks<4, 16> : lowbit::kMinBlocks<4, 8>;
+    // The variant's resident blocks, from the occupancy API as the planner asks them.
+    const int resident = bn == 16 ? lowbit::Launcher<false, 4, 16, 1, kLowbitPerTile>::blocks_per_sm(false)
+                                  : lowbit::Launcher<false, 4, 8, 1, kLowbitPerTile>::blocks_per_sm(false);
     if (const TailSplit t = tail_split(p.row_blocks, sms, resident, k / 256, tail_splits); tail_splits > 1 && t.splits > 1) {
       p.tail_first = t.first, p.tail_splits = t.splits, p.tail_iters = t.iters;  // as the planner
       p.grid_blocks = t.first + (p.row_blocks - t.first) * t.splits;

@@ -96,6 +96,30 @@ def test_register_budgets_forced(monkeypatch, budget):
         monkeypatch.delenv("SPINFER_SPLITS")
 
 
+@pytest.mark.parametrize("x_l1", ["0", "1"])
+def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
+    """The sm_90 loader's activation copies through L1 or not (SPINFER_SPMM_XL1) give the same
+    bits at every token tile, split and unsplit, fp16 and bf16, and the float64 check holds; the
+    plan reports what was forced (never on the sm_80 loader, which has no such copies)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1000), 0.4, dtype, device="cuda")
+        enc = TCABME.from_dense(w)
+        for splits in (None, "3"):
+            if splits:
+                monkeypatch.setenv("SPINFER_SPLITS", splits)
+            for n in (1, 8, 16, 24, 64):
+                x = torch.randn(n, 1000, device="cuda").to(dtype)
+                monkeypatch.setenv("SPINFER_SPMM_XL1", "1" if x_l1 == "0" else "0")
+                other = spmm_poisoned(x, enc)
+                monkeypatch.setenv("SPINFER_SPMM_XL1", x_l1)
+                y = spmm_poisoned(x, enc)
+                assert torch.equal(y, other), (n, splits)
+                assert rel_err(y, x.double() @ w.double().t()) <= TOL[dtype]
+                plan = spmm_plan(enc, n, dtype=dtype)
+                assert plan["x_l1"] == (plan["bulk"] and x_l1 == "1")
+            monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+
+
 def test_plan_reports_the_launch():
     """spmm_plan: the tile by N, the GroupTile grid, a forced split factor, and a default of the
     lean decode at every tile."""
@@ -110,6 +134,10 @@ def test_plan_reports_the_launch():
         p = spmm_plan(enc, n)
         assert p["min_blocks"] == (7 if p["bulk"] and n <= 16 else 0), (n, p)  # 56 registers (spmm_smbd.cu)
         assert p["bulk"] == (torch.cuda.get_device_capability()[0] >= 9 and os.environ.get("SPINFER_LOADER") != "cp_async")
+        # activations through L1 where a stage's slice (2 x 64 columns x bn tokens, fp16) is at
+        # most half its compressed weights (two 512-byte bitmaps, two runs of value_cap values)
+        x_bytes, w_bytes = 2 * 64 * p["bn"] * 2, 2 * (512 + 2 * p["value_cap"])
+        assert p["x_l1"] == (p["bulk"] and 2 * x_bytes <= w_bytes), (n, p)
     assert spmm_plan(enc, 1, splits=3)["splits"] == 3
     assert spmm_plan(enc, 1, splits=3)["k_per_split"] == 8  # 23 GroupTiles: whole pairs per split
     with pytest.raises(ValueError, match="n must be"):

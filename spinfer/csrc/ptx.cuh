@@ -24,6 +24,13 @@ __device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_
   cp_async_cg_16(smem_addr(smem_dst), gmem_src, valid);
 }
 
+// 16-byte global->shared async copy through L1 (.ca): data that other blocks on the SM read again.
+__device__ __forceinline__ void cp_async_ca_16(uint32_t smem_dst, const void* gmem_src, bool valid = true) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes)
+               : "memory");
+}
+
 // 4-byte global->shared async copy through L1 (.ca: the only form for sizes below 16); zero
 // fill when `valid` is false, as above.
 __device__ __forceinline__ void cp_async_ca_4(uint32_t smem_dst, const void* gmem_src, bool valid = true) {

@@ -171,6 +171,18 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   p.k_per_split = per_split(p.grid_k, splits);
   p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
   p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n);
+  // Activation slices through L1 (cp.async.ca, sm_90 loader) where a stage's slice, 2 x 64
+  // columns x BN tokens, is at most half its compressed weight bytes (two bitmaps and two runs,
+  // value_cap for the run): the blocks on an SM read the same slices, and L1 serves a block the
+  // slice another fetched (the twentieth session put x at 4-9% of the time at N = 16 / 32). H100,
+  // same process, least of 3 rounds, four issue shapes x N = 1-32 (docs/kernels.md, v12):
+  // everywhere against never, 30% sparsity +2.3%, 50% +0.9%, 70% -0.7%: +2-8% at N = 8 / 16 at
+  // 30-50%, but -1 to -3.5% where the slice is over half the weights (N = 16 at 70%, N = 32 at
+  // 50-70%; not explained). With the rule: 30% +1.3%, 50% +1.2%, 70% +0.1% (28672x8192 N = 16 at
+  // 50% 124.4 -> 118.4 us); N = 1 moves nothing. SPINFER_SPMM_XL1=0|1 forces it (A/B runs, tests).
+  const int x_bytes = kPair * kGt * p.bn * 2, w_bytes = kPair * (kBitmapBytes + 2 * p.value_cap);
+  p.x_l1 = p.bulk && 2 * x_bytes <= w_bytes;
+  if (const char* env = std::getenv("SPINFER_SPMM_XL1")) p.x_l1 = p.bulk && env[0] == '1';
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.grid_m;
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt;

@@ -329,7 +329,10 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
                        ((lane / kChunks) * kXStride + cc * 8) * 2;
 #pragma unroll 4
         for (int row = lane / kChunks; row < b.valid_rows; row += kRowStep) {
-          ptx::cp_async_cg_16(dst, src);
+          if (args.x_l1)  // through L1, where the planner expects the SM's other blocks to reuse it
+            ptx::cp_async_ca_16(dst, src);
+          else
+            ptx::cp_async_cg_16(dst, src);
           src += int64_t(args.kp) * 2 * kRowStep;
           dst += kRowStep * kXStride * 2;
         }

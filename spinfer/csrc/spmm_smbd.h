@@ -20,6 +20,7 @@ struct SpmmArgs {
   int value_cap;                // value buffer per GroupTile (plan.value_cap)
   int64_t nvalues;
   bool bf16;
+  bool x_l1;                    // the activation copies go through L1 (SpmmPlan::x_l1)
 };
 
 struct SpmmPlan {
@@ -41,6 +42,9 @@ struct SpmmPlan {
   bool pdl;         // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
   bool lean;        // decode variant: prefix as a shared address clamped once (the default) or
                     // offsets clamped per word (SPINFER_DECODE=safe)
+  bool x_l1;        // the sm_90 loader copies the activation slices through L1 (cp.async.ca), where
+                    // a slice is at most half a stage's compressed weight bytes (spmm_smbd.cu);
+                    // SPINFER_SPMM_XL1=0|1 overrides
 };
 
 // Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:

@@ -5,7 +5,8 @@ width and group, odd M and K, split-K on and off (a short last split at K = 1792
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
 and tensor copies of the activations, boxes below a tile (N = 20) and past N (33); or the cp.async
-loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the weight-to-dense
+loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the low-bit GEMV
+kernel at 4 and 8 bits with both zero-point paths; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets."""
 
 import os
@@ -61,8 +62,23 @@ for bits in (1, 2, 4, 8):
             q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
             spinfer.lowbit_mm(torch.randn(n, k, device="cuda").to(dt), q, torch.randn(m, device="cuda").to(dt))
 os.environ.pop("SPINFER_LOWBIT_PAIRS")
-# split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
 os.environ.pop("SPINFER_LOWBIT_SPLITS")
+# the GEMV kernel (lowbit_gemv.cuh, N = 1): odd M and K, one row, a warp with no stage, both
+# zero-point paths, the integer check skipped and not
+os.environ["SPINFER_LOWBIT_GEMV"] = "1"
+for bits in (4, 8):
+    for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128)]:
+        for xsum in ("0", "1"):
+            os.environ["SPINFER_LOWBIT_XSUM"] = xsum
+            for dt in (torch.float16, torch.bfloat16):
+                q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
+                x = torch.randn(1, k, device="cuda").to(dt)
+                spinfer.lowbit_mm(x, q, torch.randn(m, device="cuda").to(dt))
+                torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, q.group_size, m, k, None, None, 0,
+                                                False, out=torch.empty(1, m, device="cuda", dtype=dt))
+os.environ.pop("SPINFER_LOWBIT_GEMV")
+os.environ.pop("SPINFER_LOWBIT_XSUM")
+# split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 q = LowBitWeight.quantize(torch.randn(64 * (sms + 2) - 5, 1792, device="cuda").half(), 4, 128)

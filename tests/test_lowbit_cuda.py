@@ -57,7 +57,7 @@ def rule_splits(blocks, stages, sms, resident=None):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"K{g[0]}-g{g[1]}")
 @pytest.mark.parametrize("bits", BITS)
-def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype):
+def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype, monkeypatch):
     k, group = geometry
     m = 333  # not a multiple of the 64-row block nor of 16
     q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
@@ -66,6 +66,10 @@ def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype):
         ref = reference(x, q)
         assert rel_err(fused(x, q), ref) <= TOL[dtype], f"N={n}"
         assert rel_err(spinfer.lowbit_mm(x, q), ref) <= TOL[dtype], f"N={n} (dispatch)"
+    # N = 1 takes the GEMV kernel where it exists (tests/test_lowbit_gemv_cuda.py): the fused one too
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "0")
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    assert rel_err(fused(x, q), reference(x, q)) <= TOL[dtype], "N=1, fused kernel"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -259,7 +263,8 @@ def test_split_tail_rows(bits, monkeypatch):
 def test_planner_picks_its_schedules_exactly():
     """The planner's own choice on layers with more row blocks than two per SM (M = 28672, 24000)
     and fewer (split-K or one block per row block), against the reference. Its row-pair rule at
-    4 bits (lowbit_mm.cu, use_row_pairs): 64-row tiles at N <= 8; at N = 9-32, 128-row tiles where
+    4 bits (lowbit_mm.cu, use_row_pairs): 64-row tiles at N = 2-8 (N = 1 is the GEMV kernel's); at
+    N = 9-32, 128-row tiles where
     the pairs fill the SMs (M = 28672, 24000), and where the split they need keeps >= 16 stages,
     except with the bulk loader (sm_90 at N = 17-32): M = 8192 with K = 16384 is 64 pairs split
     round(2 SMs / 64) ways, 16 stages each on an H100; M = 3000 with K = 2048 has 8 stages."""
@@ -273,17 +278,19 @@ def test_planner_picks_its_schedules_exactly():
             x = torch.randn(n, k, device="cuda").half()
             assert rel_err(fused(x, q), reference(x, q)) <= 2e-3, f"M={m} N={n}"
             paired = n > 8 and (pairs >= sms or (not (bulk_device and n > 16) and -(-stages // splits) >= 16))
-            assert lowbit_plan(q, n)["tile_rows"] == (128 if paired else 64), f"M={m} N={n}"
+            # one token: the GEMV kernel's 16-row blocks (tests/test_lowbit_gemv_cuda.py)
+            assert lowbit_plan(q, n)["tile_rows"] == (16 if n == 1 else 128 if paired else 64), f"M={m} N={n}"
         del q
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_split_rule_spreads_blocks_evenly(bits):
+def test_split_rule_spreads_blocks_evenly(bits, monkeypatch):
     """Layers with fewer row blocks than SMs split round(2 SMs / blocks) ways, or one way more
     where the blocks then spread more evenly over the SMs (rule_splits): on an H100 (132 SMs)
     6144x4096's 96 row blocks split 4 ways (384 blocks, 120 SMs holding 3) instead of 3 (288, 24
     SMs holding 3), 4096x4096's 64 stay at 4. Against the reference, with the split count the
-    plan reports."""
+    plan reports. The fused kernel at N = 1 too (SPINFER_LOWBIT_GEMV=0)."""
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "0")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m, k in ((6144, 4096), (4096, 4096), (3584, 7168), (2560, 8192), (5120, 2048)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").half(), bits, 128)

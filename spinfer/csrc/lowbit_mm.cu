@@ -8,12 +8,16 @@
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-#include "lowbit_mm.cuh"
+#include "lowbit_gemv.cuh"
 
 namespace spinfer {
 namespace lowbit {
 SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, false)
 SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, true)
+SPINFER_GEMV_EXTERN(false, 4)
+SPINFER_GEMV_EXTERN(false, 8)
+SPINFER_GEMV_EXTERN(true, 4)
+SPINFER_GEMV_EXTERN(true, 8)
 
 namespace {
 
@@ -49,8 +53,46 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
   return blocks;
 }
 
+// Resident blocks per SM of the GEMV kernel for a padded K (its shared memory holds x), asked
+// once per device, dtype, width and K.
+int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int kp) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, bool, int, int>, int> cache;
+  const auto key = std::make_tuple(device, bf16, bits, kp);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const int blocks = bits == 4 ? (bf16 ? gemv_blocks_per_sm<true, 4>(kp) : gemv_blocks_per_sm<false, 4>(kp))
+                               : (bf16 ? gemv_blocks_per_sm<true, 8>(kp) : gemv_blocks_per_sm<false, 8>(kp));
+  cache.emplace(key, blocks);
+  return blocks;
+}
+
+// Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
+// it exists, at 4 and 8 bits with group sizes >= 128 and K up to kGemvMaxKp. H100, one process,
+// least of 3 shuffled rounds, 16 Llama-family layers at N = 1, x cuBLAS fused -> GEMV (docs/quant.md,
+// thirtieth session): geomean 4-bit g128 2.421 -> 2.679, 8-bit 1.643 -> 1.781; 29 of the 32 cells
+// faster (4096x4096 4-bit 10.4 -> 8.2 us, 14336x4096 16.6 -> 16.1), the other three 1-3.4% slower
+// (4-bit 8192x28672 50.9 / 51.3 us and 18944x3584, 8-bit 13824x5120 30.1 / 31.1), with no count of
+// waves or stages that separates them. SPINFER_LOWBIT_GEMV=1 / 0 forces it where it exists / off.
+// The fused kernel's own overrides ask for the fused kernel: a split factor from the caller
+// (tuning) or SPINFER_LOWBIT_SPLITS, a token tile (SPINFER_LOWBIT_BN), row pairs
+// (SPINFER_LOWBIT_PAIRS).
+bool use_gemv(int n, int kp, int bits, int ng, bool caller_splits, int device, bool bf16, int* resident) {
+  if (n != 1 || !gemv_bits(bits) || ng != kGemvGroups || kp > kGemvMaxKp) return false;
+  const char* env = std::getenv("SPINFER_LOWBIT_GEMV");
+  if (env && env[0] == '0') return false;
+  if (!(env && env[0] == '1') &&
+      (caller_splits || std::getenv("SPINFER_LOWBIT_BN") || std::getenv("SPINFER_LOWBIT_PAIRS")))
+    return false;
+  *resident = gemv_blocks_per_sm_for(device, bf16, bits, kp);
+  return true;
+}
+
 template <bool kBF16>
 cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s) {
+  if (p.variant == kLowbitGemv)
+    return a.bits == 4 ? launch_gemv<kBF16, 4>(a, p, s) : launch_gemv<kBF16, 8>(a, p, s);
   switch (a.bits) {
     case 1: return launch<kBF16, 1>(a, p, s);
     case 2: return launch<kBF16, 2>(a, p, s);
@@ -200,6 +242,14 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) splits = std::max(-1, std::atoi(env));
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
   const bool rule = splits == 0;  // the planner's own choice, not the caller's or SPINFER_LOWBIT_SPLITS
+  if (int resident = 0; use_gemv(n, kp, bits, p.ng, !rule, device, bf16, &resident)) {
+    p.variant = kLowbitGemv;
+    p.bn = 8, p.bulk_weights = false;  // (reported only)
+    p.row_blocks = p.grid_blocks = (m + kGemvRows - 1) / kGemvRows;
+    p.splits = 1, p.iters_per_split = total_iters;
+    p.blocks_per_sm = resident;
+    return p;
+  }
   const bool pairs =
       splits >= 0 &&
       use_row_pairs(m, n, bits, p.bn, p.ng, p.n_tiles, total_iters, splits, sms, device, bf16, bulk_tile);

@@ -52,9 +52,12 @@ enum LowbitVariant : int {
   kLowbitPerTile = 0,   // a block per 64-row tile and split: the grid (token tiles, row blocks, splits)
   kLowbitBalanced = 1,  // equal ranges of (row block, stage) units, across row blocks (Schedule)
   kLowbitRowPairs = 2,  // a block per 128-row tile and split: two row blocks share each activation slice
+  kLowbitGemv = 3,      // N = 1: a block per 16 rows, weights straight into registers (lowbit_gemv.cuh)
 };
 // Output rows of a block's tile.
-constexpr int lowbit_tile_rows(int variant) { return variant == kLowbitRowPairs ? 128 : 64; }
+constexpr int lowbit_tile_rows(int variant) {
+  return variant == kLowbitRowPairs ? 128 : variant == kLowbitGemv ? 16 : 64;
+}
 
 struct LowbitPlan {
   int bn;          // tokens per block tile: 8, 16 or 32
@@ -88,7 +91,10 @@ struct LowbitPlan {
 // spinfer.tuning; 0: the planner's rule, which SPINFER_LOWBIT_SPLITS (a factor, or -1) overrides
 // (A/B runs and tests), as SPINFER_LOWBIT_BN (8, 16, 32) does the token tile;
 // SPINFER_LOWBIT_BALANCED=0 keeps the rule to split-K; SPINFER_LOWBIT_PAIRS=1 / 0 forces row pairs
-// on / off.
+// on / off. At N = 1 the plan is the GEMV kernel (lowbit_gemv.cuh) where it exists (4 and 8 bits,
+// groups >= 128, K up to kGemvMaxKp) unless the caller gives a split factor or one of
+// SPINFER_LOWBIT_SPLITS, _BN, _PAIRS asks for the fused kernel; SPINFER_LOWBIT_GEMV=1 / 0 forces
+// it where it exists / off.
 LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16, int splits);
 
 cudaError_t lowbit_mm_run(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream);

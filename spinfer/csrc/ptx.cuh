@@ -59,6 +59,33 @@ __device__ __forceinline__ void cp_async_wait_group_dynamic(int n) {
   else cp_async_wait_group<2>();
 }
 
+// Read-only global loads (ld.global.nc): `stream_*` for data read once (the low-bit GEMV's weights:
+// L1::no_allocate keeps them from evicting what L1 holds for the block), `ldg_b32` for small
+// values the neighbouring warps read again (scales). Volatile for the streamed ones: they are
+// issued in program order, a stage ahead of the compute that waits on them.
+__device__ __forceinline__ uint4 stream_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 stream_v2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t stream_b32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t ldg_b32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // (a & b) | c in one LOP3.
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;

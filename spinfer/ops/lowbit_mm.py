@@ -104,6 +104,9 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
     ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation).
 
+    One token at 4 and 8 bits (group size >= 128, K <= 32768) runs the GEMV kernel instead of the
+    fused one (``lowbit_plan(weight, 1)["gemv"]``; docs/quant.md).
+
     With ``out`` (a contiguous ``[N, M]`` tensor, ``N`` the product of the leading dims), the
     fused kernel writes into it at any N: static buffers for CUDA graphs.
 
@@ -149,7 +152,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
 
 # Field names of spinfer::lowbit_plan's result, in order (spinfer/csrc/lowbit_mm.h, LowbitPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "row_blocks", "grid_blocks", "splits", "iters_per_split", "resident_blocks",
-               "balanced", "tail_first", "tail_splits", "tail_iters", "tile_rows", "bulk_weights")
+               "balanced", "tail_first", "tail_splits", "tail_iters", "tile_rows", "bulk_weights", "gemv")
 
 
 def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -163,7 +166,8 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     the first split row block, ``tail_splits`` ways of ``tail_iters`` stages; 0 when none), and
     whether the bulk loader runs (``bulk_weights``: each stage's weight tiles in one bulk copy and
     its activation slice in tensor copies; sm_90 at 4 bits with ``bn`` 32, unless
-    ``SPINFER_LOADER=cp_async``).
+    ``SPINFER_LOADER=cp_async``), and whether one token runs on the GEMV kernel instead (``gemv``:
+    blocks of 16 rows, ``tile_rows`` 16; 4 and 8 bits; ``SPINFER_LOWBIT_GEMV=1|0`` forces it).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)
@@ -180,5 +184,6 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     m, k = weight.shape
     x = torch.empty((n, 1), dtype=dtype, device=device).expand(n, k)  # only N, dtype and device are read
     plan = dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x, m, k, weight.bits, weight.group_size, splits)))
-    plan["balanced"], plan["bulk_weights"] = bool(plan["balanced"]), bool(plan["bulk_weights"])
+    for key in ("balanced", "bulk_weights", "gemv"):
+        plan[key] = bool(plan[key])
     return plan

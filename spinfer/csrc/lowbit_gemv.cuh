@@ -1,0 +1,257 @@
+// The low-bit GEMV kernel: y[1, M] = x[1, K] @ W[M, K]^T for one token (decode at batch 1), on
+// the packed format of the fused kernel (lowbit_mm.cuh), at 4 and 8 bits.
+//
+// Read top to bottom:
+//  * A block of 8 warps owns 16 output rows (a quarter of one of the format's 64-row tiles) and
+//    all of K. Warp w takes stages w, w + 8, w + 16, ... of those rows; at the end the block sums
+//    the 8 warps' accumulators through shared memory in warp order (deterministic), adds bias and
+//    casts. There is no split-K and no workspace: a layer has ceil(M / 16) blocks, 4x the fused
+//    kernel's, and the block scheduler hands them out as SMs free up.
+//  * No shared-memory ring and no barrier in the loop. Each lane loads its own A-fragment words
+//    of rows g and g + 8 (lowbit_mm.cuh's fragment order: 32 bytes a row per stage at 4 and 8
+//    bits) straight into registers with 16-byte `ld.global.nc.L1::no_allocate`, one stage ahead
+//    of the one it computes, and dequantizes them as the fused kernel does (unpack_pair).
+//  * x (K halves) is copied to shared memory once per block, after the first stage's weight loads
+//    are issued, and the B fragments are read from there (at N = 1 the 8 columns of an n8 mma
+//    are the same token, a broadcast). Read through L1 instead, they waited behind the weight
+//    loads issued before them (the probe, docs/quant.md).
+//  * Zero points as in the fused kernel: the A fragments hold q - zi exactly, and a segment's
+//    fractional rest z - zi (HQQ) is applied on the accumulator through the segment's sum of x,
+//    which the block computes once from shared memory when the launch needs it.
+// Why (H100, docs/quant.md, thirtieth session): the fused kernel gives a 4096-row layer 64 blocks
+// of 8 warps, a 14336-row one 224: 1-2 blocks an SM, too few warps to keep enough loads in flight,
+// and each block's shared-memory ring waits on barriers. 16-row blocks give those layers 256 and
+// 896 blocks.
+#pragma once
+
+#include "lowbit_mm.cuh"
+
+namespace spinfer {
+namespace lowbit {
+
+constexpr int kGemvWarps = 8;
+constexpr int kGemvThreads = 32 * kGemvWarps;
+constexpr int kGemvRows = 16;
+// 80 registers: the stage in flight and the one computed. With 4 resident blocks (64 registers)
+// the prefetch spilled at 4 bits; without it, 4 blocks measured slower than this (the probe).
+constexpr int kGemvMinBlocks = 3;
+// Widths the GEMV is built for: 32 bytes of a row's stage per lane, two 16-byte loads.
+__host__ __device__ constexpr bool gemv_bits(int bits) { return bits == 4 || bits == 8; }
+// The longest padded K it takes: x (64 KB at 32768) stays in shared memory with 3 blocks an SM.
+constexpr int kGemvMaxKp = 32768;
+// Scale groups per 128-column chunk it is built for (group size >= 128; launch_gemv says why).
+constexpr int kGemvGroups = 1;
+
+// Shared memory of a launch: x (kp halves) and one float per segment for the zero points' sums.
+__host__ __device__ constexpr int gemv_smem_bytes(int kp, int ng) { return kp * 2 + kp / kChunk * ng * 4; }
+
+template <bool kBF16, int BITS, int NG>
+__global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kernel(const LowbitArgs args) {
+  static_assert(gemv_bits(BITS), "32 bytes a row per stage");
+  constexpr int U = chunks_per_stage<BITS>();
+  constexpr int kCols = U * kChunk;                 // columns of a stage
+  constexpr int kRowBytes = U * kChunk * BITS / 8;  // a row's bytes of a stage: 128
+  constexpr int kTilesPerWord = 8 / BITS;
+  constexpr int kSegTiles = 8 / NG;                 // k16 tiles of a segment (one scale group)
+  using Nm = Num<kBF16>;
+  extern __shared__ __align__(128) unsigned char smem[];  // (as the fused kernel declares it)
+  __shared__ float red[kGemvWarps][kGemvRows];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int stages = args.kp / kCols;
+  const int row0 = blockIdx.x * kGemvRows;  // the block's first output row
+  // Rows g and g + 8 of the block are rows 16 (bx % 4) + g (+ 8) of 64-row tile bx / 4.
+  const unsigned char* wrow = reinterpret_cast<const unsigned char*>(args.qweight) +
+                              ((static_cast<int64_t>(blockIdx.x / 4) * stages * 64) + (blockIdx.x % 4) * 16 + g) *
+                                  kRowBytes;
+  const uint32_t* szrow[2];  // rows past M read row M - 1's scales: finite, never stored
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    szrow[h] = static_cast<const uint32_t*>(args.scale_zero) +
+               static_cast<int64_t>(min(row0 + g + 8 * h, args.m - 1)) * args.groups;
+
+  struct Stage {
+    uint32_t w[2][8];      // rows g, g + 8: the lane's 8 words of the stage (U chunks)
+    uint32_t sz[2][U * NG];  // their (scale, zero) pairs, chunk-major
+  };
+  auto load = [&](Stage& s, const int st) {
+    const unsigned char* p = wrow + static_cast<int64_t>(st) * (64 * kRowBytes);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        // 8 bits: the lane's 32 bytes at 32 t; 4 bits: chunk i's 16 bytes at 64 i + 16 t.
+        const uint4 v = ptx::stream_v4(p + h * 8 * kRowBytes + (BITS == 8 ? 32 * t + 16 * i : 64 * i + 16 * t));
+        s.w[h][4 * i] = v.x, s.w[h][4 * i + 1] = v.y, s.w[h][4 * i + 2] = v.z, s.w[h][4 * i + 3] = v.w;
+      }
+#pragma unroll
+      for (int j = 0; j < U * NG; ++j) {
+        // Group sizes are powers of two; per-channel groups come with a shift that gives 0, and
+        // padding columns clamp to the last group.
+        const int col = st * kCols + j * (kChunk / NG);
+        s.sz[h][j] = ptx::ldg_b32(szrow[h] + min(col >> args.group_shift, args.groups - 1));
+      }
+    }
+  };
+
+  // The first stage's weights go out before the wait for the previous kernel (programmatic
+  // dependent launch, launch.cuh); x after it.
+  Stage cur, nxt;
+  if (warp < stages) load(cur, warp);
+  ptx::griddep_wait();
+  {
+    const int pieces = args.kp / 8;  // 16-byte pieces of x
+    const char* x = static_cast<const char*>(args.x);
+    for (int i = threadIdx.x; i < pieces; i += kGemvThreads) ptx::cp_async_cg_16(smem + 16 * i, x + 16 * i);
+    ptx::cp_async_commit_group();
+    ptx::cp_async_wait_group<0>();
+  }
+  // Fractional zero points (or force_xsum) need each segment's sum of x: one warp per segment.
+  const bool sums = args.force_xsum || !args.integer_zeros;
+  float* xsum = reinterpret_cast<float*>(smem + args.kp * 2);
+  if (sums) {
+    __syncthreads();
+    constexpr int kSegCols = kChunk / NG;
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(smem);
+    for (int seg = warp; seg < args.kp / kSegCols; seg += kGemvWarps) {
+      float v = 0.f;
+      for (int c = lane; c < kSegCols; c += 32) v += Nm::to_float(xs[seg * kSegCols + c]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) xsum[seg] = v;
+    }
+  }
+  __syncthreads();
+
+  // This lane's B fragments: columns 16 T + 4 t .. + 3 of each k16 tile (the format's order).
+  const unsigned char* xlane = smem + 8 * t;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  auto compute = [&](const Stage& s, const int st) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int j = 0; j < NG; ++j) {
+        const int seg = u * NG + j;
+        // zc = magic + zi for rows g and g + 8, zi the zero's integer part (integer_zero): the
+        // sum in the dtype rounds z to an integer, as rintf would, once z is clamped to the range
+        // where magic + zi is exact. bf16 8-bit keeps zi = 0 (lowbit_mm.cuh, unpack_pair).
+        const uint32_t zz = ptx::prmt(s.sz[0][seg], s.sz[1][seg], 0x7632);  // {z row g, z row g + 8}
+        const uint32_t zc2 =
+            kBF16 && BITS == 8 ? Nm::kMagic
+                               : Nm::add(Nm::clamp(zz, Nm::splat(Nm::kZeroLo), Nm::splat(Nm::kZeroHi)), Nm::kMagic);
+        uint32_t zc[2], zo[2] = {0u, 0u};
+        float sc[2], zf[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
+          if constexpr (kInPlace<kBF16, BITS>) zo[h] = Nm::sub(Nm::splat(kOddBias<kBF16, BITS>), zc[h]);
+          sc[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] & 0xffffu));
+          if (sums)  // z - zi, with zi = zc - magic exact
+            zf[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] >> 16)) -
+                    (Nm::to_float(static_cast<uint16_t>(zc[h] & 0xffffu)) - Nm::kMagicValue);
+        }
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int T = j * kSegTiles; T < (j + 1) * kSegTiles; ++T) {
+          const int wi = BITS == 8 ? T : 4 * u + T / kTilesPerWord;
+          const int s0 = 2 * (T % kTilesPerWord);
+          uint32_t a[4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            a[h] = unpack_pair<kBF16, BITS>(s.w[h][wi], s0, zc[h], zo[h]);
+            a[h + 2] = unpack_pair<kBF16, BITS>(s.w[h][wi], s0 + 1, zc[h], zo[h]);
+          }
+          const uint2 b = *reinterpret_cast<const uint2*>(xlane + (st * kCols + u * kChunk + 16 * T) * 2);
+          ptx::mma_m16n8k16<kBF16>(part, a, b.x, b.y);
+        }
+        // acc += s * (sum (q - zi) x - (z - zi) sum x), per row (e / 2)
+        const float xs = sums ? xsum[st * U * NG + seg] : 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] = fmaf(sc[e / 2], fmaf(-zf[e / 2], xs, part[e]), acc[e]);
+      }
+    }
+  };
+
+  // Two stage buffers in registers, named (not indexed) so they stay in registers.
+  for (int st = warp; st < stages;) {
+    int nx = st + kGemvWarps;
+    if (nx < stages) load(nxt, nx);
+    compute(cur, st);
+    st = nx;
+    if (st >= stages) break;
+    nx = st + kGemvWarps;
+    if (nx < stages) load(cur, nx);
+    compute(nxt, st);
+    st = nx;
+  }
+  ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
+
+  // Token 0 is column 0 of the n8 accumulators: lanes with t = 0, registers 0 (row g) and 2 (g + 8).
+  if (t == 0) red[warp][g] = acc[0], red[warp][g + 8] = acc[2];
+  __syncthreads();
+  if (threadIdx.x < kGemvRows) {
+    const int row = row0 + threadIdx.x;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; ++w) v += red[w][threadIdx.x];
+    if (row < args.m) {
+      if (args.bias != nullptr) v += load_float<kBF16>(args.bias, row);
+      store_float<kBF16>(args.y, row, v);
+    }
+  }
+}
+
+// Host side of one (dtype, bits) pair, instantiated with the fused kernel's variants.
+template <bool kBF16, int BITS, int NG>
+struct GemvLauncher {
+  static constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG>;
+  // The dynamic shared-memory opt-in, once per device: to the most any launch of this kernel asks
+  // (gemv_max_kp), so the attribute does not depend on the layer.
+  static cudaError_t allow_smem(int smem) {
+    static std::atomic<uint64_t> done{0};
+    int device = 0;
+    cudaGetDevice(&device);
+    const uint64_t bit = uint64_t(1) << (device & 63);
+    if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+    return err;
+  }
+  static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
+    if (cudaError_t err = allow_smem(gemv_smem_bytes(kGemvMaxKp, NG)); err != cudaSuccess) return err;
+    return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, gemv_smem_bytes(args.kp, NG), stream, plan.pdl,
+                         args);
+  }
+  static int blocks_per_sm(int kp) {
+    if (allow_smem(gemv_smem_bytes(kGemvMaxKp, NG)) != cudaSuccess) return 1;
+    int blocks = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemvThreads, gemv_smem_bytes(kp, NG)) !=
+        cudaSuccess)
+      return 1;
+    return blocks > 0 ? blocks : 1;
+  }
+};
+
+// The entry points of one (dtype, bits) pair for the runtime groups per chunk, instantiated in
+// lowbit_mm_{fp16,bf16}_{4,8}.cu beside the fused kernel's.
+// Built for one scale group per chunk (group size >= 128, kGemvGroups): with 2 and 4 the scales
+// of the stage in flight spilled 16 and 112 bytes at 80 registers (4-bit fp16).
+template <bool kBF16, int BITS>
+cudaError_t launch_gemv(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
+  return plan.ng == kGemvGroups ? GemvLauncher<kBF16, BITS, kGemvGroups>::launch(args, plan, stream)
+                                : cudaErrorInvalidValue;
+}
+template <bool kBF16, int BITS>
+int gemv_blocks_per_sm(int kp) {
+  return GemvLauncher<kBF16, BITS, kGemvGroups>::blocks_per_sm(kp);
+}
+
+#define SPINFER_GEMV_INSTANTIATE(BF16, BITS)                                                           \
+  template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
+  template int gemv_blocks_per_sm<BF16, BITS>(int);
+#define SPINFER_GEMV_EXTERN(BF16, BITS)                                                                       \
+  extern template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
+  extern template int gemv_blocks_per_sm<BF16, BITS>(int);
+
+}  // namespace lowbit
+}  // namespace spinfer

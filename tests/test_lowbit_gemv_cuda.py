@@ -1,0 +1,150 @@
+"""The low-bit GEMV kernel (spinfer/csrc/lowbit_gemv.cuh: one token, 4 and 8 bits, blocks of 16
+rows) against the exact float64 reference: odd M and K, every group size it takes, bias, fp16 and
+bf16, integer, fractional and out-of-range zero points, NaN-poisoned outputs, the planner's rule,
+determinism and CUDA graphs. SPINFER_LOWBIT_GEMV=1 forces it where it exists. Skipped without a
+GPU."""
+
+import pytest
+import torch
+
+import spinfer
+from spinfer.ops.lowbit_mm import lowbit_plan
+from spinfer.quant import LowBitWeight
+from tests.conftest import rel_err
+from tests.test_lowbit_cuda import TOL, fused, reference
+
+pytestmark = pytest.mark.cuda
+
+MAX_KP = 32768  # lowbit_gemv.cuh, kGemvMaxKp
+
+
+def row_err(out, ref, x, w):
+    """The worst output row's error against the scale of its dot product, ||w_row|| ||x|| / sqrt(K)
+    (the size of a sum of K products of random signs), plus |ref|: one token makes one value per
+    row, whose relative error alone is unbounded where the sum cancels."""
+    x, w = x.double(), w.double().to(x.device)
+    scale = w.norm(dim=1) * x.norm() / w.shape[1] ** 0.5
+    return float(((out.double() - ref).abs()[0] / (ref.abs()[0] + scale)).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_matches_the_reference(bits, dtype, monkeypatch):
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
+    # M: one row, under a block, one block, not a multiple of 16 or 64, past 4096; K: one stage,
+    # not a multiple of 256 (zero-padded x), several stages per warp and one warp left idle.
+    for m, k, group in ((1, 256, 128), (15, 1000, None), (16, 512, 256), (333, 1152, 128), (4097, 4096, 128),
+                        (100, 2560, 256), (64, 6144, None)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
+        assert lowbit_plan(q, 1, dtype=dtype)["gemv"], (m, k, group)
+        bias = torch.randn(m, device="cuda").to(dtype)
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        w = q.to("cpu").dequantize()
+        for b in (None, bias):
+            ref = reference(x, q, b)
+            out = fused(x, q, b)
+            assert row_err(out, ref, x, w) <= TOL[dtype], (m, k, group, b is None)
+            if m >= 16:
+                assert rel_err(out, ref) <= TOL[dtype], (m, k, group, b is None)
+        y = spinfer.lowbit_mm(x[0], q, bias)  # a 1-D input: one token
+        assert y.shape == (m,) and row_err(y[None], reference(x, q, bias), x, w) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, monkeypatch):
+    """As the fused kernel: q - zi in the A fragments, z - zi through the segment's sum of x. Rows
+    mix integer zeros, fractional ones and zeros past the exact range; every row is checked on its
+    own (row_err), with and without SPINFER_LOWBIT_XSUM=1 (every segment through the sum). The
+    reference is the exact product of the stored values (no rounding of the weights)."""
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
+    lim = 1024 if dtype == torch.float16 else 128
+    m, k, levels = 80, 1024, (1 << bits) - 1
+    w_q = torch.randint(0, levels + 1, (m, k), device="cuda")
+    scale = torch.rand(m, k // 128, device="cuda") * 0.02 + 0.001
+    zero = torch.randint(0, levels + 1, (m, k // 128), device="cuda").float()
+    zero[3] += 0.25
+    zero[20:28] = torch.rand(8, k // 128, device="cuda") * levels
+    zero[40, 0], zero[41, 1], zero[42, 2] = lim, -lim - 1, 3 * lim
+    q = LowBitWeight.from_hqq(w_q, scale.to(dtype), zero.to(dtype), bits, 128, (m, k))
+    w = ((w_q.double() - zero.to(dtype).double().repeat_interleave(128, 1))
+         * scale.to(dtype).double().repeat_interleave(128, 1))
+    for xsum in ("0", "1"):
+        monkeypatch.setenv("SPINFER_LOWBIT_XSUM", xsum)
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        ref = x.double() @ w.t()
+        out = fused(x, q)
+        assert row_err(out, ref, x, w) <= TOL[dtype], xsum
+        assert rel_err(out, ref) <= TOL[dtype], xsum
+
+
+def test_gemv_runs_only_where_it_exists(monkeypatch):
+    """Forced or not, the planner keeps the fused kernel for N > 1, 1 and 2 bits, groups under 128,
+    K past kGemvMaxKp and a split factor from the caller."""
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
+    q4 = LowBitWeight.quantize(torch.randn(64, 512, device="cuda").half(), 4, 128)
+    assert lowbit_plan(q4, 1)["gemv"] and lowbit_plan(q4, 1)["tile_rows"] == 16
+    assert not lowbit_plan(q4, 2)["gemv"]
+    for bits, group in ((2, 128), (1, 128), (4, 64), (8, 32)):
+        assert not lowbit_plan(LowBitWeight.quantize(torch.randn(64, 512, device="cuda").half(), bits, group), 1)["gemv"]
+    wide = LowBitWeight.quantize(torch.randn(16, MAX_KP + 256, device="cuda").half(), 4, 128)
+    assert not lowbit_plan(wide, 1)["gemv"]
+    x = torch.randn(1, MAX_KP + 256, device="cuda").half()
+    assert rel_err(fused(x, wide), reference(x, wide)) <= 2e-3
+    monkeypatch.delenv("SPINFER_LOWBIT_GEMV")
+    assert not lowbit_plan(q4, 1, splits=2)["gemv"]
+    monkeypatch.setenv("SPINFER_LOWBIT_SPLITS", "2")
+    assert not lowbit_plan(q4, 1)["gemv"]
+    monkeypatch.delenv("SPINFER_LOWBIT_SPLITS")
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "0")
+    assert not lowbit_plan(q4, 1)["gemv"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_planner_takes_the_gemv_for_one_token(bits, dtype, monkeypatch):
+    """The rule (lowbit_mm.cu, use_gemv): N = 1 runs the GEMV wherever it exists, a block per 16
+    rows, unsplit, as many resident blocks as CUDA's occupancy calculator gives for K; the fused
+    kernel's own overrides keep the fused kernel."""
+    for m, k, group in ((1, 256, 128), (4097, 1000, None), (28672, 4096, 128), (1024, 28672, 256)):
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
+        plan = lowbit_plan(q, 1, dtype=dtype)
+        assert plan["gemv"] and plan["grid_blocks"] == plan["row_blocks"] == -(-m // 16), (m, k, plan)
+        assert plan["splits"] == 1 and plan["resident_blocks"] >= 1 and not plan["bulk_weights"], (m, k, plan)
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        assert rel_err(fused(x, q), reference(x, q)) <= TOL[dtype], (m, k)
+        for env, value in (("SPINFER_LOWBIT_BN", "8"), ("SPINFER_LOWBIT_PAIRS", "0"), ("SPINFER_LOWBIT_SPLITS", "1")):
+            monkeypatch.setenv(env, value)
+            assert not lowbit_plan(q, 1, dtype=dtype)["gemv"], env
+            monkeypatch.delenv(env)
+        del q
+
+
+def test_gemv_is_deterministic_and_captures_in_a_cuda_graph(monkeypatch):
+    """Two layers back to back (the second launch waits on the first through programmatic
+    dependent launch on sm_90), replayed with new inputs: the same bits as eager runs."""
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
+    q1 = LowBitWeight.quantize(torch.randn(1024, 4096, device="cuda").half(), 4, 128)
+    q2 = LowBitWeight.quantize(torch.randn(4096, 1024, device="cuda").half(), 8, 128)
+    x = torch.randn(1, 4096, device="cuda").half()
+
+    def step():
+        return spinfer.lowbit_mm(spinfer.lowbit_mm(x, q1), q2)
+
+    eager = step()
+    assert torch.equal(step(), eager)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up off the default stream, as torch's graph docs ask
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, device="cuda").half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+        h = spinfer.lowbit_mm(x, q1).double()
+        assert rel_err(out, reference(h.half(), q2)) <= 2e-3

@@ -85,7 +85,7 @@ constexpr int kBalancedPerSM = 2;
 
 // Chunks per stage: 256 columns (128 at 8 bits) keep a stage's weights at 4..8 KB per block.
 template <int BITS>
-constexpr int chunks_per_stage() {
+__host__ __device__ constexpr int chunks_per_stage() {
   return BITS == 8 ? 1 : 2;
 }
 

@@ -7,6 +7,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -25,6 +28,19 @@ inline bool use_pdl(int major) {
 inline bool use_bulk_loader(int major) {
   const char* env = std::getenv("SPINFER_LOADER");
   return major >= 9 && !(env && std::strcmp(env, "cp_async") == 0);
+}
+
+// A kernel's dynamic shared-memory opt-in, once per device (a driver call costs microseconds):
+// `done` holds one bit per device for this kernel and size.
+template <typename Kernel>
+cudaError_t allow_smem_once(Kernel kernel, int smem, std::atomic<uint64_t>& done) {
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+  return err;
 }
 
 template <typename... KArgs, typename... Args>

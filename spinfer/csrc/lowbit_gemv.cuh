@@ -206,16 +206,10 @@ template <bool kBF16, int BITS, int NG>
 struct GemvLauncher {
   static constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG>;
   // The dynamic shared-memory opt-in, once per device: to the most any launch of this kernel asks
-  // (gemv_max_kp), so the attribute does not depend on the layer.
+  // (kGemvMaxKp), so the attribute does not depend on the layer.
   static cudaError_t allow_smem(int smem) {
     static std::atomic<uint64_t> done{0};
-    int device = 0;
-    cudaGetDevice(&device);
-    const uint64_t bit = uint64_t(1) << (device & 63);
-    if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
-    return err;
+    return allow_smem_once(kernel, smem, done);
   }
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
     if (cudaError_t err = allow_smem(gemv_smem_bytes(kGemvMaxKp, NG)); err != cudaSuccess) return err;

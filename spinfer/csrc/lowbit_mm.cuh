@@ -858,14 +858,7 @@ struct Launcher {
   // The dynamic shared-memory opt-in, once per device and kernel (a driver call costs microseconds).
   static cudaError_t allow_smem(bool bulk) {
     static std::atomic<uint64_t> done[2] = {0, 0};
-    int device = 0;
-    cudaGetDevice(&device);
-    const uint64_t bit = uint64_t(1) << (device & 63);
-    if (done[bulk].load(std::memory_order_acquire) & bit) return cudaSuccess;
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel(bulk), cudaFuncAttributeMaxDynamicSharedMemorySize, smem(bulk));
-    if (err == cudaSuccess) done[bulk].fetch_or(bit, std::memory_order_release);
-    return err;
+    return allow_smem_once(kernel(bulk), smem(bulk), done[bulk]);
   }
   static int blocks_per_sm(bool bulk) {
     const auto k = kernel(bulk);

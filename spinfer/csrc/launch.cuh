@@ -9,6 +9,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
 
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +43,17 @@ cudaError_t allow_smem_once(Kernel kernel, int smem, std::atomic<uint64_t>& done
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   return err;
+}
+
+// A host query's answer (an occupancy calculation costs microseconds), asked once per key: each
+// call site (its own Query type) keeps its own table.
+template <typename Key, typename Query>
+int asked_once(const Key& key, Query query) {
+  static std::mutex mutex;
+  static std::map<Key, int> table;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = table.find(key); it != table.end()) return it->second;
+  return table[key] = query();
 }
 
 template <typename... KArgs, typename... Args>

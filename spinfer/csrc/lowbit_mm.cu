@@ -38,34 +38,22 @@ bool bulk_default(int major, int bits, int bn) { return major >= 9 && bulk_loade
 // Resident blocks per SM of a kernel variant on a device, with the device's default loader: an
 // occupancy query costs microseconds, so it is asked once.
 int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int variant) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, bool, int, int, int, int>, int> cache;
-  const auto key = std::make_tuple(device, bf16, bits, bn, ng, variant);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int major = 8;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  const bool bulk = bulk_default(major, bits, bn);
-  const int blocks = bf16 ? query_blocks_per_sm<true>(bits, bn, ng, variant, bulk)
-                          : query_blocks_per_sm<false>(bits, bn, ng, variant, bulk);
-  cache.emplace(key, blocks);
-  return blocks;
+  return asked_once(std::make_tuple(device, bf16, bits, bn, ng, variant), [&] {
+    int major = 8;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    const bool bulk = bulk_default(major, bits, bn);
+    return bf16 ? query_blocks_per_sm<true>(bits, bn, ng, variant, bulk)
+                : query_blocks_per_sm<false>(bits, bn, ng, variant, bulk);
+  });
 }
 
 // Resident blocks per SM of the GEMV kernel for a padded K (its shared memory holds x), asked
 // once per device, dtype, width and K.
 int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int kp) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, bool, int, int>, int> cache;
-  const auto key = std::make_tuple(device, bf16, bits, kp);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  const int blocks = bits == 4 ? (bf16 ? gemv_blocks_per_sm<true, 4>(kp) : gemv_blocks_per_sm<false, 4>(kp))
-                               : (bf16 ? gemv_blocks_per_sm<true, 8>(kp) : gemv_blocks_per_sm<false, 8>(kp));
-  cache.emplace(key, blocks);
-  return blocks;
+  return asked_once(std::make_tuple(device, bf16, bits, kp), [&] {
+    return bits == 4 ? (bf16 ? gemv_blocks_per_sm<true, 4>(kp) : gemv_blocks_per_sm<false, 4>(kp))
+                     : (bf16 ? gemv_blocks_per_sm<true, 8>(kp) : gemv_blocks_per_sm<false, 8>(kp));
+  });
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever

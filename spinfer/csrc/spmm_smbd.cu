@@ -46,12 +46,8 @@ struct ResidentF {
 // Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
 // dtype, variant, shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
-  static std::mutex mutex;
-  static std::map<std::array<int, 6>, int> cache;
   const std::array<int, 6> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.smem_bytes};
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = cache.find(key); it != cache.end()) return it->second;
-  return cache[key] = by_tile<ResidentF>(p.bn, &p, bf16);
+  return asked_once(key, [&] { return by_tile<ResidentF>(p.bn, &p, bf16); });
 }
 
 // GroupTiles per split for a split-K factor: whole pairs (the pipeline moves GroupTiles in

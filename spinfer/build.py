@@ -4,16 +4,24 @@ a cache folder keyed by the sources, torch and CUDA versions, and reused after t
     python -m spinfer.build        # prebuild and report
 
 Set SPINFER_CACHE to choose the folder (default: ~/.cache/spinfer). A failed build raises
-RuntimeError carrying the compiler's message.
+RuntimeError carrying the compiler's message. The C++ compiler is torch's (CXX, else c++) unless
+that one links the C++ runtime statically (host_compiler), which makes failed checks crash.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -48,6 +56,99 @@ def cache_dir() -> Path:
     return root / f"ext-{_source_hash()}"
 
 
+def shares_libstdcxx(cxx: str) -> Optional[bool]:
+    """Whether ``cxx`` links a shared object against the shared C++ runtime (libstdc++ among the
+    object's NEEDED entries, per readelf); None where it cannot tell (no such compiler, no
+    readelf, a failed compile)."""
+    readelf = shutil.which("readelf")
+    if readelf is None or shutil.which(cxx) is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src, so = Path(d, "probe.cpp"), Path(d, "probe.so")
+        src.write_text('#include <stdexcept>\nvoid spinfer_probe(int v) { if (v) throw std::runtime_error("v"); }\n')
+        try:
+            subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(so)], check=True, capture_output=True,
+                           timeout=120)
+            out = subprocess.run([readelf, "-d", str(so)], check=True, capture_output=True, text=True,
+                                 timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return "libstdc++.so" in out
+
+
+def newest_first(paths: list[str]) -> list[str]:
+    """Compiler paths by the version numbers in their names, highest first (g++-13, g++-12, g++-9)."""
+    return sorted(paths, key=lambda p: tuple(int(v) for v in re.findall(r"\d+", Path(p).name)), reverse=True)
+
+
+def system_gxx() -> list[str]:
+    """The distribution's versioned g++ (/usr/bin/g++-N), newest first, then /usr/bin/g++."""
+    return newest_first([str(p) for p in Path("/usr/bin").glob("g++-[0-9]*")]) + ["/usr/bin/g++"]
+
+
+def host_compiler() -> Optional[str]:
+    """The C++ compiler to build with instead of torch's (CXX, else ``c++``), or None to keep it.
+
+    A compiler that links the C++ runtime statically gives the extension its own copy: an
+    exception thrown in it (every failed TORCH_CHECK) and caught by torch's copy then crashes the
+    process (SIGSEGV) instead of raising. The lent H100 machines set CXX to such a compiler (a
+    g++ 13 wrapper), which crashes even for a 5-line op; their ``c++``, ``/usr/bin/g++-12`` and
+    ``g++-13`` raise cleanly (docs/kernels.md). So where torch's compiler links statically, the
+    first of ``c++``, the newest ``/usr/bin/g++-N`` and ``/usr/bin/g++`` that links dynamically
+    builds the extension, with a warning where it replaces the user's CXX; with none, a warning
+    says so."""
+    chosen = os.environ.get("CXX") or "c++"
+    if shares_libstdcxx(chosen) is not False:
+        return None
+
+    def resolved(cxx):
+        return os.path.realpath(shutil.which(cxx) or cxx)
+
+    for cxx in ([] if chosen == "c++" else ["c++"]) + system_gxx():
+        if resolved(cxx) != resolved(chosen) and shares_libstdcxx(cxx):
+            cxx = shutil.which(cxx) or cxx
+            if chosen != "c++":
+                warnings.warn(f"spinfer.build: CXX={chosen} links the C++ runtime statically, so a failed "
+                              f"check in a kernel call would crash the process instead of raising; building "
+                              f"with {cxx} instead", RuntimeWarning, stacklevel=2)
+            return cxx
+    warnings.warn(f"spinfer.build: {chosen} links the C++ runtime statically, so a failed check in a kernel "
+                  "call would crash the process instead of raising, and no compiler that links it "
+                  "dynamically was found; set CXX to one", RuntimeWarning, stacklevel=2)
+    return None
+
+
+def _chosen_compiler(build_dir: Path) -> Optional[str]:
+    """host_compiler(), decided once per build folder and torch's compiler (a probe compile costs
+    ~0.4 s, and a changed compiler would make ninja rebuild everything): the record holds the
+    compiler asked about and the answer, and a different CXX is asked about again."""
+    record = build_dir / "host_cxx.txt"
+    asked = os.environ.get("CXX") or "c++"
+    if record.exists():
+        lines = record.read_text().splitlines()
+        if len(lines) == 2 and lines[0] == asked:
+            return lines[1] or None
+    cxx = host_compiler()
+    record.write_text(f"{asked}\n{cxx or ''}\n")
+    return cxx
+
+
+@contextlib.contextmanager
+def _env(key: str, value: Optional[str]):
+    """``key`` set to ``value`` (unchanged where None) for the block's duration."""
+    old = os.environ.get(key)
+    if value is not None:
+        os.environ[key] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = old
+
+
 def is_loaded() -> bool:
     return _loaded
 
@@ -72,16 +173,17 @@ def load_extension(verbose: bool = False) -> None:
 
     build_dir = cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(
-        name=f"spinfer_cuda_{build_dir.name.split('-')[1]}",
-        sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=["-O3"],  # torch picks the C++ standard its headers need
-        extra_cuda_cflags=CUDA_FLAGS,
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with _env("CXX", _chosen_compiler(build_dir)):
+        load(
+            name=f"spinfer_cuda_{build_dir.name.split('-')[1]}",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3"],  # torch picks the C++ standard its headers need
+            extra_cuda_cflags=CUDA_FLAGS,
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
     _loaded = True
 
 
@@ -92,7 +194,8 @@ def main() -> int:
     except RuntimeError as exc:
         print(f"spinfer.build: FAILED\n{exc}", file=sys.stderr)
         return 1
-    print(f"spinfer.build: CUDA kernels ready in {cache_dir()} ({time.perf_counter() - t0:.1f} s)")
+    cxx = _chosen_compiler(cache_dir()) or os.environ.get("CXX") or "c++"
+    print(f"spinfer.build: CUDA kernels ready in {cache_dir()} ({time.perf_counter() - t0:.1f} s, C++ compiler {cxx})")
     return 0
 
 

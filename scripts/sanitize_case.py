@@ -6,7 +6,7 @@ width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) 
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
 and tensor copies of the activations, boxes below a tile (N = 20) and past N (33); or the cp.async
 loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the low-bit GEMV
-kernel at 4 and 8 bits with both zero-point paths; the weight-to-dense
+kernel at every width, two groups a chunk below 4 bits and at 8, with both zero-point paths; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets."""
 
 import os
@@ -66,8 +66,8 @@ os.environ.pop("SPINFER_LOWBIT_SPLITS")
 # the GEMV kernel (lowbit_gemv.cuh, N = 1): odd M and K, one row, a warp with no stage, both
 # zero-point paths, the integer check skipped and not
 os.environ["SPINFER_LOWBIT_GEMV"] = "1"
-for bits in (4, 8):
-    for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128)]:
+for bits in (1, 2, 4, 8):
+    for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128 if bits == 4 else 64)]:
         for xsum in ("0", "1"):
             os.environ["SPINFER_LOWBIT_XSUM"] = xsum
             for dt in (torch.float16, torch.bfloat16):

@@ -310,8 +310,9 @@ def test_split_rule_spreads_blocks_evenly(bits, monkeypatch):
 
 @pytest.mark.parametrize("bits", [1, 2])
 def test_row_pairs_of_narrow_widths_at_eight_tokens(bits):
-    """At N <= 8, 1- and 2-bit layers run row pairs only where the paired grid is split anyway
-    (under 3/4 of a wave of pairs) into splits of >= 16 stages (lowbit_mm.cu, use_row_pairs).
+    """At N = 2-8, 1- and 2-bit layers run row pairs only where the paired grid is split anyway
+    (under 3/4 of a wave of pairs) into splits of >= 16 stages (lowbit_mm.cu, use_row_pairs); N = 1
+    runs the GEMV kernel (16-row blocks) at g64 since the thirty-second session.
     M = 8192 (64 pairs): with K = 16384 (64 stages) the split rule's round(2 SMs / 64) splits
     keep 16 stages on an H100, with K = 8192 half that; M = 128 x SMs is a wave of pairs. Then a
     caller's split factor: 2 splits of 16 stages pair, and the result matches the reference."""
@@ -321,8 +322,9 @@ def test_row_pairs_of_narrow_widths_at_eight_tokens(bits):
         pairs, stages = -(-m // 128), k // 256
         splits = rule_splits(pairs, stages, sms)
         want = 4 * pairs < 3 * sms and -(-stages // splits) >= 16
-        for n in (1, 8):
+        for n in (2, 8):
             assert (lowbit_plan(q, n)["tile_rows"] == 128) == want, f"M={m} K={k} N={n}"
+        assert lowbit_plan(q, 1)["gemv"] and lowbit_plan(q, 1)["tile_rows"] == 16
         del q
     q = LowBitWeight.quantize(torch.randn(1000, 8192, device="cuda").half(), bits, 64)
     assert lowbit_plan(q, 8, splits=2)["tile_rows"] == 128 and lowbit_plan(q, 8, splits=3)["tile_rows"] == 64

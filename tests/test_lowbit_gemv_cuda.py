@@ -1,5 +1,5 @@
-"""The low-bit GEMV kernel (spinfer/csrc/lowbit_gemv.cuh: one token, 4 and 8 bits, blocks of 16
-rows) against the exact float64 reference: odd M and K, every group size it takes, bias, fp16 and
+"""The low-bit GEMV kernel (spinfer/csrc/lowbit_gemv.cuh: one token, 1, 2, 4 and 8 bits, blocks of
+16 rows) against the exact float64 reference: odd M and K, every group size it takes, bias, fp16 and
 bf16, integer, fractional and out-of-range zero points, NaN-poisoned outputs, the planner's rule,
 determinism and CUDA graphs. SPINFER_LOWBIT_GEMV=1 forces it where it exists. Skipped without a
 GPU."""
@@ -16,6 +16,10 @@ from tests.test_lowbit_cuda import TOL, fused, reference
 pytestmark = pytest.mark.cuda
 
 MAX_KP = 32768  # lowbit_gemv.cuh, kGemvMaxKp
+# Group sizes the GEMV takes per width (lowbit_gemv.cuh, gemv_supported: a stage in 20 registers);
+# None is per-channel.
+GROUPS = {1: (None, 256, 128, 64), 2: (None, 256, 128, 64), 4: (None, 256, 128), 8: (None, 256, 128, 64)}
+UNSUPPORTED = ((1, 32), (2, 32), (4, 64), (4, 32), (8, 32))
 
 
 def row_err(out, ref, x, w):
@@ -24,17 +28,21 @@ def row_err(out, ref, x, w):
     row, whose relative error alone is unbounded where the sum cancels."""
     x, w = x.double(), w.double().to(x.device)
     scale = w.norm(dim=1) * x.norm() / w.shape[1] ** 0.5
-    return float(((out.double() - ref).abs()[0] / (ref.abs()[0] + scale)).max())
+    err, den = (out.double() - ref).abs()[0], ref.abs()[0] + scale
+    # a row of zeros (1-bit per-channel rounding makes some) has den 0: its error is absolute
+    return float(torch.where(den > 0, err / den, err).max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_gemv_matches_the_reference(bits, dtype, monkeypatch):
     monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
     # M: one row, under a block, one block, not a multiple of 16 or 64, past 4096; K: one stage,
-    # not a multiple of 256 (zero-padded x), several stages per warp and one warp left idle.
-    for m, k, group in ((1, 256, 128), (15, 1000, None), (16, 512, 256), (333, 1152, 128), (4097, 4096, 128),
-                        (100, 2560, 256), (64, 6144, None)):
+    # not a multiple of 256 (zero-padded x), several stages per warp and one warp left idle; every
+    # group size the width takes.
+    g = GROUPS[bits]
+    for m, k, group in ((1, 256, g[-1]), (15, 1000, None), (16, 512, 256), (333, 1152, g[-1]), (4097, 4096, 128),
+                        (100, 2560, g[-2]), (64, 6144, None), (70, 1280, g[-1])):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
         assert lowbit_plan(q, 1, dtype=dtype)["gemv"], (m, k, group)
         bias = torch.randn(m, device="cuda").to(dtype)
@@ -51,7 +59,7 @@ def test_gemv_matches_the_reference(bits, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, monkeypatch):
     """As the fused kernel: q - zi in the A fragments, z - zi through the segment's sum of x. Rows
     mix integer zeros, fractional ones and zeros past the exact range; every row is checked on its
@@ -60,15 +68,17 @@ def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, monke
     monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
     lim = 1024 if dtype == torch.float16 else 128
     m, k, levels = 80, 1024, (1 << bits) - 1
+    gs = min(GROUPS[bits][1:])  # several groups a chunk where the width takes them
     w_q = torch.randint(0, levels + 1, (m, k), device="cuda")
-    scale = torch.rand(m, k // 128, device="cuda") * 0.02 + 0.001
-    zero = torch.randint(0, levels + 1, (m, k // 128), device="cuda").float()
+    scale = torch.rand(m, k // gs, device="cuda") * 0.02 + 0.001
+    zero = torch.randint(0, levels + 1, (m, k // gs), device="cuda").float()
     zero[3] += 0.25
-    zero[20:28] = torch.rand(8, k // 128, device="cuda") * levels
+    zero[20:28] = torch.rand(8, k // gs, device="cuda") * levels
     zero[40, 0], zero[41, 1], zero[42, 2] = lim, -lim - 1, 3 * lim
-    q = LowBitWeight.from_hqq(w_q, scale.to(dtype), zero.to(dtype), bits, 128, (m, k))
-    w = ((w_q.double() - zero.to(dtype).double().repeat_interleave(128, 1))
-         * scale.to(dtype).double().repeat_interleave(128, 1))
+    q = LowBitWeight.from_hqq(w_q, scale.to(dtype), zero.to(dtype), bits, gs, (m, k))
+    assert lowbit_plan(q, 1, dtype=dtype)["gemv"]
+    w = ((w_q.double() - zero.to(dtype).double().repeat_interleave(gs, 1))
+         * scale.to(dtype).double().repeat_interleave(gs, 1))
     for xsum in ("0", "1"):
         monkeypatch.setenv("SPINFER_LOWBIT_XSUM", xsum)
         x = torch.randn(1, k, device="cuda").to(dtype)
@@ -79,13 +89,14 @@ def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, monke
 
 
 def test_gemv_runs_only_where_it_exists(monkeypatch):
-    """Forced or not, the planner keeps the fused kernel for N > 1, 1 and 2 bits, groups under 128,
-    K past kGemvMaxKp and a split factor from the caller."""
+    """Forced or not, the planner keeps the fused kernel for N > 1, the group sizes whose stage
+    would not fit 20 registers (4-bit under 128, 8-bit and 2-bit under 64) or that measured slower
+    (1-bit g32), K past kGemvMaxKp and a split factor from the caller."""
     monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
     q4 = LowBitWeight.quantize(torch.randn(64, 512, device="cuda").half(), 4, 128)
     assert lowbit_plan(q4, 1)["gemv"] and lowbit_plan(q4, 1)["tile_rows"] == 16
     assert not lowbit_plan(q4, 2)["gemv"]
-    for bits, group in ((2, 128), (1, 128), (4, 64), (8, 32)):
+    for bits, group in UNSUPPORTED:
         assert not lowbit_plan(LowBitWeight.quantize(torch.randn(64, 512, device="cuda").half(), bits, group), 1)["gemv"]
     wide = LowBitWeight.quantize(torch.randn(16, MAX_KP + 256, device="cuda").half(), 4, 128)
     assert not lowbit_plan(wide, 1)["gemv"]
@@ -101,7 +112,7 @@ def test_gemv_runs_only_where_it_exists(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_planner_takes_the_gemv_for_one_token(bits, dtype, monkeypatch):
     """The rule (lowbit_mm.cu, use_gemv): N = 1 runs the GEMV wherever it exists, a block per 16
     rows, unsplit, as many resident blocks as CUDA's occupancy calculator gives for K; the fused

@@ -1,5 +1,6 @@
 // The low-bit GEMV kernel: y[1, M] = x[1, K] @ W[M, K]^T for one token (decode at batch 1), on
-// the packed format of the fused kernel (lowbit_mm.cuh), at 4 and 8 bits.
+// the packed format of the fused kernel (lowbit_mm.cuh), at 1, 2, 4 and 8 bits (gemv_supported says
+// which group sizes).
 //
 // Read top to bottom:
 //  * A block of 8 warps owns 16 output rows (a quarter of one of the format's 64-row tiles) and
@@ -9,8 +10,9 @@
 //    kernel's, and the block scheduler hands them out as SMs free up.
 //  * No shared-memory ring and no barrier in the loop. Each lane loads its own A-fragment words
 //    of rows g and g + 8 (lowbit_mm.cuh's fragment order: 32 bytes a row per stage at 4 and 8
-//    bits) straight into registers with 16-byte `ld.global.nc.L1::no_allocate`, one stage ahead
-//    of the one it computes, and dequantizes them as the fused kernel does (unpack_pair).
+//    bits, 16 at 2, 8 at 1) straight into registers with 16-, 8- or 4-byte
+//    `ld.global.nc.L1::no_allocate`, one stage ahead of the one it computes, and dequantizes them
+//    as the fused kernel does (unpack_pair).
 //  * x (K halves) is copied to shared memory once per block, after the first stage's weight loads
 //    are issued, and the B fragments are read from there (at N = 1 the 8 columns of an n8 mma
 //    are the same token, a broadcast). Read through L1 instead, they waited behind the weight
@@ -35,22 +37,32 @@ constexpr int kGemvRows = 16;
 // 80 registers: the stage in flight and the one computed. With 4 resident blocks (64 registers)
 // the prefetch spilled at 4 bits; without it, 4 blocks measured slower than this (the probe).
 constexpr int kGemvMinBlocks = 3;
-// Widths the GEMV is built for: 32 bytes of a row's stage per lane, two 16-byte loads.
-__host__ __device__ constexpr bool gemv_bits(int bits) { return bits == 4 || bits == 8; }
+// The (width, scale groups per 128-column chunk) pairs the GEMV is built for: those whose stage,
+// the lane's words of rows g and g + 8 and their (scale, zero) pairs, takes at most 20 registers,
+// as 4-bit g128 does (16 words + 4 pairs; with 2 groups a chunk its stage in flight spilled 16
+// bytes at 80 registers). A stage is two 128-column chunks (one at 8 bits): a lane holds `bits`
+// words a chunk and row. Groups of 32 (4 a chunk) fit at 1 bit only, and there the GEMV measured
+// slower than the fused kernel on the large layers (docs/quant.md, thirty-second session).
+__host__ __device__ constexpr int gemv_stage_registers(int bits, int ng) {
+  return 2 * (bits == 8 ? 1 : 2) * (bits + ng);
+}
+__host__ __device__ constexpr bool gemv_supported(int bits, int ng) {
+  return (bits == 1 || bits == 2 || bits == 4 || bits == 8) && (ng == 1 || ng == 2) &&
+         gemv_stage_registers(bits, ng) <= 20;
+}
 // The longest padded K it takes: x (64 KB at 32768) stays in shared memory with 3 blocks an SM.
 constexpr int kGemvMaxKp = 32768;
-// Scale groups per 128-column chunk it is built for (group size >= 128; launch_gemv says why).
-constexpr int kGemvGroups = 1;
 
 // Shared memory of a launch: x (kp halves) and one float per segment for the zero points' sums.
 __host__ __device__ constexpr int gemv_smem_bytes(int kp, int ng) { return kp * 2 + kp / kChunk * ng * 4; }
 
 template <bool kBF16, int BITS, int NG>
 __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kernel(const LowbitArgs args) {
-  static_assert(gemv_bits(BITS), "32 bytes a row per stage");
+  static_assert(gemv_supported(BITS, NG), "a stage in at most 20 registers");
   constexpr int U = chunks_per_stage<BITS>();
   constexpr int kCols = U * kChunk;                 // columns of a stage
-  constexpr int kRowBytes = U * kChunk * BITS / 8;  // a row's bytes of a stage: 128
+  constexpr int kRowBytes = U * kChunk * BITS / 8;  // a row's bytes of a stage: 128 (8, 4 bits), 64, 32
+  constexpr int kChunkBytes = kRowBytes / U;        // a row's bytes of one chunk
   constexpr int kTilesPerWord = 8 / BITS;
   constexpr int kSegTiles = 8 / NG;                 // k16 tiles of a segment (one scale group)
   using Nm = Num<kBF16>;
@@ -71,18 +83,31 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
                static_cast<int64_t>(min(row0 + g + 8 * h, args.m - 1)) * args.groups;
 
   struct Stage {
-    uint32_t w[2][8];      // rows g, g + 8: the lane's 8 words of the stage (U chunks)
+    uint32_t w[2][U * BITS];  // rows g, g + 8: the lane's words of the stage, chunk-major
     uint32_t sz[2][U * NG];  // their (scale, zero) pairs, chunk-major
   };
   auto load = [&](Stage& s, const int st) {
     const unsigned char* p = wrow + static_cast<int64_t>(st) * (64 * kRowBytes);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      // Chunk u's `BITS` words at byte 4 BITS t of the row's chunk (the format's fragment order):
+      // 32 bytes at 8 bits (two loads), 16, 8 or 4 bytes below.
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        // 8 bits: the lane's 32 bytes at 32 t; 4 bits: chunk i's 16 bytes at 64 i + 16 t.
-        const uint4 v = ptx::stream_v4(p + h * 8 * kRowBytes + (BITS == 8 ? 32 * t + 16 * i : 64 * i + 16 * t));
-        s.w[h][4 * i] = v.x, s.w[h][4 * i + 1] = v.y, s.w[h][4 * i + 2] = v.z, s.w[h][4 * i + 3] = v.w;
+      for (int u = 0; u < U; ++u) {
+        const unsigned char* src = p + h * 8 * kRowBytes + u * kChunkBytes + 4 * BITS * t;
+        uint32_t* d = s.w[h] + u * BITS;
+        if constexpr (BITS >= 4) {
+#pragma unroll
+          for (int i = 0; i < BITS / 4; ++i) {
+            const uint4 v = ptx::stream_v4(src + 16 * i);
+            d[4 * i] = v.x, d[4 * i + 1] = v.y, d[4 * i + 2] = v.z, d[4 * i + 3] = v.w;
+          }
+        } else if constexpr (BITS == 2) {
+          const uint2 v = ptx::stream_v2(src);
+          d[0] = v.x, d[1] = v.y;
+        } else {
+          d[0] = ptx::stream_b32(src);
+        }
       }
 #pragma unroll
       for (int j = 0; j < U * NG; ++j) {
@@ -153,7 +178,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
         float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int T = j * kSegTiles; T < (j + 1) * kSegTiles; ++T) {
-          const int wi = BITS == 8 ? T : 4 * u + T / kTilesPerWord;
+          const int wi = u * BITS + T / kTilesPerWord;
           const int s0 = 2 * (T % kTilesPerWord);
           uint32_t a[4];
 #pragma unroll
@@ -226,26 +251,31 @@ struct GemvLauncher {
   }
 };
 
-// The entry points of one (dtype, bits) pair for the runtime groups per chunk, instantiated in
-// lowbit_mm_{fp16,bf16}_{4,8}.cu beside the fused kernel's.
-// Built for one scale group per chunk (group size >= 128, kGemvGroups): with 2 and 4 the scales
-// of the stage in flight spilled 16 and 112 bytes at 80 registers (4-bit fp16).
-template <bool kBF16, int BITS>
-cudaError_t launch_gemv(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-  return plan.ng == kGemvGroups ? GemvLauncher<kBF16, BITS, kGemvGroups>::launch(args, plan, stream)
-                                : cudaErrorInvalidValue;
+// The entry points of one (dtype, bits) pair for the runtime groups per chunk (those
+// gemv_supported allows), instantiated in lowbit_mm_{fp16,bf16}_{bits}.cu beside the fused kernel's.
+template <bool kBF16, int BITS, typename F>
+auto with_groups(int ng, F f) {
+  if constexpr (gemv_supported(BITS, 2)) {
+    if (ng == 2) return f(GemvLauncher<kBF16, BITS, 2>{});
+  }
+  return f(GemvLauncher<kBF16, BITS, 1>{});
 }
 template <bool kBF16, int BITS>
-int gemv_blocks_per_sm(int kp) {
-  return GemvLauncher<kBF16, BITS, kGemvGroups>::blocks_per_sm(kp);
+cudaError_t launch_gemv(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
+  if (!gemv_supported(BITS, plan.ng)) return cudaErrorInvalidValue;
+  return with_groups<kBF16, BITS>(plan.ng, [&](auto g) { return decltype(g)::launch(args, plan, stream); });
+}
+template <bool kBF16, int BITS>
+int gemv_blocks_per_sm(int kp, int ng) {
+  return with_groups<kBF16, BITS>(ng, [&](auto g) { return decltype(g)::blocks_per_sm(kp); });
 }
 
 #define SPINFER_GEMV_INSTANTIATE(BF16, BITS)                                                           \
   template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  template int gemv_blocks_per_sm<BF16, BITS>(int);
+  template int gemv_blocks_per_sm<BF16, BITS>(int, int);
 #define SPINFER_GEMV_EXTERN(BF16, BITS)                                                                       \
   extern template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  extern template int gemv_blocks_per_sm<BF16, BITS>(int);
+  extern template int gemv_blocks_per_sm<BF16, BITS>(int, int);
 
 }  // namespace lowbit
 }  // namespace spinfer

@@ -14,8 +14,12 @@ namespace spinfer {
 namespace lowbit {
 SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, false)
 SPINFER_LOWBIT_FOR_BITS(SPINFER_LOWBIT_EXTERN, true)
+SPINFER_GEMV_EXTERN(false, 1)
+SPINFER_GEMV_EXTERN(false, 2)
 SPINFER_GEMV_EXTERN(false, 4)
 SPINFER_GEMV_EXTERN(false, 8)
+SPINFER_GEMV_EXTERN(true, 1)
+SPINFER_GEMV_EXTERN(true, 2)
 SPINFER_GEMV_EXTERN(true, 4)
 SPINFER_GEMV_EXTERN(true, 8)
 
@@ -48,18 +52,30 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
 }
 
 // Resident blocks per SM of the GEMV kernel for a padded K (its shared memory holds x), asked
-// once per device, dtype, width and K.
-int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int kp) {
-  return asked_once(std::make_tuple(device, bf16, bits, kp), [&] {
-    return bits == 4 ? (bf16 ? gemv_blocks_per_sm<true, 4>(kp) : gemv_blocks_per_sm<false, 4>(kp))
-                     : (bf16 ? gemv_blocks_per_sm<true, 8>(kp) : gemv_blocks_per_sm<false, 8>(kp));
+// once per device, dtype, width, groups and K.
+int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int kp) {
+  return asked_once(std::make_tuple(device, bf16, bits, ng, kp), [&] {
+    switch (bits) {
+      case 1: return bf16 ? gemv_blocks_per_sm<true, 1>(kp, ng) : gemv_blocks_per_sm<false, 1>(kp, ng);
+      case 2: return bf16 ? gemv_blocks_per_sm<true, 2>(kp, ng) : gemv_blocks_per_sm<false, 2>(kp, ng);
+      case 4: return bf16 ? gemv_blocks_per_sm<true, 4>(kp, ng) : gemv_blocks_per_sm<false, 4>(kp, ng);
+      default: return bf16 ? gemv_blocks_per_sm<true, 8>(kp, ng) : gemv_blocks_per_sm<false, 8>(kp, ng);
+    }
   });
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
-// it exists, at 4 and 8 bits with group sizes >= 128 and K up to kGemvMaxKp. H100, one process,
-// least of 3 shuffled rounds, 16 Llama-family layers at N = 1, x cuBLAS fused -> GEMV (docs/quant.md,
-// thirtieth session): geomean 4-bit g128 2.421 -> 2.679, 8-bit 1.643 -> 1.781; 29 of the 32 cells
+// it exists (gemv_supported: 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at
+// >= 64) and K is up to kGemvMaxKp.
+// 1 and 2 bits and the groups of 64 came in the thirty-second session: H100, one process, least of
+// 3 shuffled rounds, the four issue shapes at N = 1, geomean x cuBLAS fused -> GEMV: 1-bit g128
+// 3.82 -> 4.44, g64 3.51 -> 3.81, 2-bit g128 3.71 -> 4.25, 8-bit g64 1.73 -> 1.79 (8192x28672 2%
+// slower); 2-bit g64 over those and three end-to-end layers 2.92 -> 3.11, faster on the 4096-wide
+// layers (4096x4096 9.9 -> 7.6 us) and 6-10% slower on the 28672- and 8192x28672 ones (28672x8192
+// 38.0 -> 40.3 us, docs/quant.md). 1-bit g32, whose stage also fits, was slower: 2.98 -> 2.85.
+// 4 and 8 bits at groups >= 128 came in the thirtieth session: H100, one process, least of 3
+// shuffled rounds, 16 Llama-family layers at N = 1, x cuBLAS fused -> GEMV (docs/quant.md):
+// geomean 4-bit g128 2.421 -> 2.679, 8-bit 1.643 -> 1.781; 29 of the 32 cells
 // faster (4096x4096 4-bit 10.4 -> 8.2 us, 14336x4096 16.6 -> 16.1), the other three 1-3.4% slower
 // (4-bit 8192x28672 50.9 / 51.3 us and 18944x3584, 8-bit 13824x5120 30.1 / 31.1), with no count of
 // waves or stages that separates them. SPINFER_LOWBIT_GEMV=1 / 0 forces it where it exists / off.
@@ -67,20 +83,26 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int kp) {
 // (tuning) or SPINFER_LOWBIT_SPLITS, a token tile (SPINFER_LOWBIT_BN), row pairs
 // (SPINFER_LOWBIT_PAIRS).
 bool use_gemv(int n, int kp, int bits, int ng, bool caller_splits, int device, bool bf16, int* resident) {
-  if (n != 1 || !gemv_bits(bits) || ng != kGemvGroups || kp > kGemvMaxKp) return false;
+  if (n != 1 || !gemv_supported(bits, ng) || kp > kGemvMaxKp) return false;
   const char* env = std::getenv("SPINFER_LOWBIT_GEMV");
   if (env && env[0] == '0') return false;
   if (!(env && env[0] == '1') &&
       (caller_splits || std::getenv("SPINFER_LOWBIT_BN") || std::getenv("SPINFER_LOWBIT_PAIRS")))
     return false;
-  *resident = gemv_blocks_per_sm_for(device, bf16, bits, kp);
+  *resident = gemv_blocks_per_sm_for(device, bf16, bits, ng, kp);
   return true;
 }
 
 template <bool kBF16>
 cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s) {
-  if (p.variant == kLowbitGemv)
-    return a.bits == 4 ? launch_gemv<kBF16, 4>(a, p, s) : launch_gemv<kBF16, 8>(a, p, s);
+  if (p.variant == kLowbitGemv) {
+    switch (a.bits) {
+      case 1: return launch_gemv<kBF16, 1>(a, p, s);
+      case 2: return launch_gemv<kBF16, 2>(a, p, s);
+      case 4: return launch_gemv<kBF16, 4>(a, p, s);
+      default: return launch_gemv<kBF16, 8>(a, p, s);
+    }
+  }
   switch (a.bits) {
     case 1: return launch<kBF16, 1>(a, p, s);
     case 2: return launch<kBF16, 2>(a, p, s);

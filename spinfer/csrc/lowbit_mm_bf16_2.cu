@@ -1,8 +1,9 @@
 // bf16 2-bit instantiations of the fused low-bit kernel (one unit per pair: parallel builds).
-#include "lowbit_mm.cuh"
+#include "lowbit_gemv.cuh"
 
 namespace spinfer {
 namespace lowbit {
 SPINFER_LOWBIT_INSTANTIATE(true, 2)
+SPINFER_GEMV_INSTANTIATE(true, 2)
 }  // namespace lowbit
 }  // namespace spinfer

@@ -104,7 +104,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
     ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation).
 
-    One token at 4 and 8 bits (group size >= 128, K <= 32768) runs the GEMV kernel instead of the
+    One token (1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; K <= 32768) runs the GEMV kernel instead of the
     fused one (``lowbit_plan(weight, 1)["gemv"]``; docs/quant.md).
 
     With ``out`` (a contiguous ``[N, M]`` tensor, ``N`` the product of the leading dims), the
@@ -167,7 +167,7 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     whether the bulk loader runs (``bulk_weights``: each stage's weight tiles in one bulk copy and
     its activation slice in tensor copies; sm_90 at 4 bits with ``bn`` 32, unless
     ``SPINFER_LOADER=cp_async``), and whether one token runs on the GEMV kernel instead (``gemv``:
-    blocks of 16 rows, ``tile_rows`` 16; 4 and 8 bits; ``SPINFER_LOWBIT_GEMV=1|0`` forces it).
+    blocks of 16 rows, ``tile_rows`` 16; 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; ``SPINFER_LOWBIT_GEMV=1|0`` forces it).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
@@ -25,14 +26,21 @@ SPINFER_GEMV_EXTERN(true, 8)
 
 namespace {
 
+// f(std::integral_constant<int, B>) for the runtime width B (1, 2, 4, anything else 8): the one
+// dispatch from a width to the kernels' template instances.
+template <typename F>
+auto by_bits(int bits, F f) {
+  switch (bits) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 template <bool kBF16>
 int query_blocks_per_sm(int bits, int bn, int ng, int variant, bool bulk) {
-  switch (bits) {
-    case 1: return blocks_per_sm<kBF16, 1>(bn, ng, variant, bulk);
-    case 2: return blocks_per_sm<kBF16, 2>(bn, ng, variant, bulk);
-    case 4: return blocks_per_sm<kBF16, 4>(bn, ng, variant, bulk);
-    default: return blocks_per_sm<kBF16, 8>(bn, ng, variant, bulk);
-  }
+  return by_bits(bits, [&](auto b) { return blocks_per_sm<kBF16, b()>(bn, ng, variant, bulk); });
 }
 
 // Whether the device's default loader for this width and token tile is the bulk one (sm_90,
@@ -55,12 +63,9 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
 // once per device, dtype, width, groups and K.
 int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int kp) {
   return asked_once(std::make_tuple(device, bf16, bits, ng, kp), [&] {
-    switch (bits) {
-      case 1: return bf16 ? gemv_blocks_per_sm<true, 1>(kp, ng) : gemv_blocks_per_sm<false, 1>(kp, ng);
-      case 2: return bf16 ? gemv_blocks_per_sm<true, 2>(kp, ng) : gemv_blocks_per_sm<false, 2>(kp, ng);
-      case 4: return bf16 ? gemv_blocks_per_sm<true, 4>(kp, ng) : gemv_blocks_per_sm<false, 4>(kp, ng);
-      default: return bf16 ? gemv_blocks_per_sm<true, 8>(kp, ng) : gemv_blocks_per_sm<false, 8>(kp, ng);
-    }
+    return by_bits(bits, [&](auto b) {
+      return bf16 ? gemv_blocks_per_sm<true, b()>(kp, ng) : gemv_blocks_per_sm<false, b()>(kp, ng);
+    });
   });
 }
 
@@ -95,20 +100,9 @@ bool use_gemv(int n, int kp, int bits, int ng, bool caller_splits, int device, b
 
 template <bool kBF16>
 cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s) {
-  if (p.variant == kLowbitGemv) {
-    switch (a.bits) {
-      case 1: return launch_gemv<kBF16, 1>(a, p, s);
-      case 2: return launch_gemv<kBF16, 2>(a, p, s);
-      case 4: return launch_gemv<kBF16, 4>(a, p, s);
-      default: return launch_gemv<kBF16, 8>(a, p, s);
-    }
-  }
-  switch (a.bits) {
-    case 1: return launch<kBF16, 1>(a, p, s);
-    case 2: return launch<kBF16, 2>(a, p, s);
-    case 4: return launch<kBF16, 4>(a, p, s);
-    default: return launch<kBF16, 8>(a, p, s);
-  }
+  return by_bits(a.bits, [&](auto b) {
+    return p.variant == kLowbitGemv ? launch_gemv<kBF16, b()>(a, p, s) : launch<kBF16, b()>(a, p, s);
+  });
 }
 
 // Split-K factor, from same-process sweeps on H100 (docs/quant.md). A layer that already gives

@@ -26,6 +26,8 @@
 // 896 blocks.
 #pragma once
 
+#include <type_traits>
+
 #include "lowbit_mm.cuh"
 
 namespace spinfer {
@@ -50,6 +52,22 @@ __host__ __device__ constexpr bool gemv_supported(int bits, int ng) {
   return (bits == 1 || bits == 2 || bits == 4 || bits == 8) && (ng == 1 || ng == 2) &&
          gemv_stage_registers(bits, ng) <= 20;
 }
+// Where the main loop is built twice, with and without the zero points' sums (compute, below):
+// 2 bits with groups of 64, where a segment is 4 k16 tiles of a cheap decode and its scale work
+// the largest share. Chosen by measurement, H100, one process, least of 2 rounds, seven layers at
+// N = 1 (docs/quant.md, thirty-third session): 2-bit g64 3.07-3.10 -> 3.18-3.20x cuBLAS
+// (8192x28672 45.0 -> 39.4 us). Elsewhere it measured flat or slower (1-bit g64 3.34 -> 3.27x,
+// 2-bit g128 3.70 -> 3.63x, 8-bit g128 1.83 -> 1.79x) but for 1-bit g128 (+1.6%). In the 8-bit
+// SASS ptxas hoists the stage's first decode above the next stage's loads, which then have less
+// time to land.
+template <int BITS, int NG>
+constexpr bool kGemvSplitSums = BITS == 2 && NG == 2;
+// A flag fixed at compile time that converts to bool in device code (std::bool_constant's
+// conversion is host-only without --expt-relaxed-constexpr).
+template <bool V>
+struct Fixed {
+  __host__ __device__ constexpr operator bool() const { return V; }
+};
 // The longest padded K it takes: x (64 KB at 32768) stays in shared memory with 3 blocks an SM.
 constexpr int kGemvMaxKp = 32768;
 
@@ -151,7 +169,13 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   // This lane's B fragments: columns 16 T + 4 t .. + 3 of each k16 tile (the format's order).
   const unsigned char* xlane = smem + 8 * t;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  auto compute = [&](const Stage& s, const int st) {
+  // `sums`: the launch applies zero points through the segments' sums of x. Without it every zero
+  // is an integer the A fragments subtract exactly (args.integer_zeros, checked on the host), and
+  // the segment needs neither the clamp nor the sum term. Where kGemvSplitSums the main loop is
+  // built twice, one copy a launch, and `sums` is a Fixed flag; elsewhere it is the
+  // launch's bool and each segment branches on it.
+  auto compute = [&](const Stage& s, const int st, const auto sums) {
+    constexpr bool kFixed = !std::is_same_v<decltype(sums), const bool>;  // a Fixed<> flag
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -161,9 +185,10 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
         // sum in the dtype rounds z to an integer, as rintf would, once z is clamped to the range
         // where magic + zi is exact. bf16 8-bit keeps zi = 0 (lowbit_mm.cuh, unpack_pair).
         const uint32_t zz = ptx::prmt(s.sz[0][seg], s.sz[1][seg], 0x7632);  // {z row g, z row g + 8}
-        const uint32_t zc2 =
-            kBF16 && BITS == 8 ? Nm::kMagic
-                               : Nm::add(Nm::clamp(zz, Nm::splat(Nm::kZeroLo), Nm::splat(Nm::kZeroHi)), Nm::kMagic);
+        uint32_t zc2 = Nm::kMagic;
+        if constexpr (!(kBF16 && BITS == 8))
+          zc2 = Nm::add(!kFixed || sums ? Nm::clamp(zz, Nm::splat(Nm::kZeroLo), Nm::splat(Nm::kZeroHi)) : zz,
+                        Nm::kMagic);
         uint32_t zc[2], zo[2] = {0u, 0u};
         float sc[2], zf[2] = {0.f, 0.f};
 #pragma unroll
@@ -190,24 +215,39 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
           ptx::mma_m16n8k16<kBF16>(part, a, b.x, b.y);
         }
         // acc += s * (sum (q - zi) x - (z - zi) sum x), per row (e / 2)
-        const float xs = sums ? xsum[st * U * NG + seg] : 0.f;
+        if (kFixed && !sums) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[e] = fmaf(sc[e / 2], fmaf(-zf[e / 2], xs, part[e]), acc[e]);
+          for (int e = 0; e < 4; ++e) acc[e] = fmaf(sc[e / 2], part[e], acc[e]);
+        } else {
+          const float xs = sums ? xsum[st * U * NG + seg] : 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[e] = fmaf(sc[e / 2], fmaf(-zf[e / 2], xs, part[e]), acc[e]);
+        }
       }
     }
   };
 
   // Two stage buffers in registers, named (not indexed) so they stay in registers.
-  for (int st = warp; st < stages;) {
-    int nx = st + kGemvWarps;
-    if (nx < stages) load(nxt, nx);
-    compute(cur, st);
-    st = nx;
-    if (st >= stages) break;
-    nx = st + kGemvWarps;
-    if (nx < stages) load(cur, nx);
-    compute(nxt, st);
-    st = nx;
+  auto run = [&](const auto sums_arg) {
+    for (int st = warp; st < stages;) {
+      int nx = st + kGemvWarps;
+      if (nx < stages) load(nxt, nx);
+      compute(cur, st, sums_arg);
+      st = nx;
+      if (st >= stages) break;
+      nx = st + kGemvWarps;
+      if (nx < stages) load(cur, nx);
+      compute(nxt, st, sums_arg);
+      st = nx;
+    }
+  };
+  if constexpr (kGemvSplitSums<BITS, NG>) {
+    if (sums)
+      run(Fixed<true>{});
+    else
+      run(Fixed<false>{});
+  } else {
+    run(sums);
   }
   ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
 

@@ -172,8 +172,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   // `sums`: the launch applies zero points through the segments' sums of x. Without it every zero
   // is an integer the A fragments subtract exactly (args.integer_zeros, checked on the host), and
   // the segment needs neither the clamp nor the sum term. Where kGemvSplitSums the main loop is
-  // built twice, one copy a launch, and `sums` is a Fixed flag; elsewhere it is the
-  // launch's bool and each segment branches on it.
+  // built twice, one copy a launch, and `sums` is a Fixed flag; elsewhere it is the launch's
+  // bool and each segment branches on it.
   auto compute = [&](const Stage& s, const int st, const auto sums) {
     constexpr bool kFixed = !std::is_same_v<decltype(sums), const bool>;  // a Fixed<> flag
 #pragma unroll

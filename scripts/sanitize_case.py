@@ -63,11 +63,13 @@ for bits in (1, 2, 4, 8):
             spinfer.lowbit_mm(torch.randn(n, k, device="cuda").to(dt), q, torch.randn(m, device="cuda").to(dt))
 os.environ.pop("SPINFER_LOWBIT_PAIRS")
 os.environ.pop("SPINFER_LOWBIT_SPLITS")
-# the GEMV kernel (lowbit_gemv.cuh, N = 1): odd M and K, one row, a warp with no stage, both
-# zero-point paths, the integer check skipped and not
+# the GEMV kernel (lowbit_gemv.cuh, N = 1): odd M and K, one row, a warp with no stage, a K of many
+# stages a warp (each warp's two x buffers refilled), both zero-point paths, the integer check
+# skipped and not
 os.environ["SPINFER_LOWBIT_GEMV"] = "1"
 for bits in (1, 2, 4, 8):
-    for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128 if bits == 4 else 64)]:
+    for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128 if bits == 4 else 64),
+                        (17, 9216, 128)]:
         for xsum in ("0", "1"):
             os.environ["SPINFER_LOWBIT_XSUM"] = xsum
             for dt in (torch.float16, torch.bfloat16):

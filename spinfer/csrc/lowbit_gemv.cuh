@@ -13,13 +13,17 @@
 //    bits, 16 at 2, 8 at 1) straight into registers with 16-, 8- or 4-byte
 //    `ld.global.nc.L1::no_allocate`, one stage ahead of the one it computes, and dequantizes them
 //    as the fused kernel does (unpack_pair).
-//  * x (K halves) is copied to shared memory once per block, after the first stage's weight loads
-//    are issued, and the B fragments are read from there (at N = 1 the 8 columns of an n8 mma
-//    are the same token, a broadcast). Read through L1 instead, they waited behind the weight
-//    loads issued before them (the probe, docs/quant.md).
+//  * Each warp copies the x slice of each of its stages (512 bytes, 256 at 8 bits) into its own
+//    two shared-memory buffers with `cp.async`, just before that stage's weight loads, and reads
+//    the B fragments from there (at N = 1 the 8 columns of an n8 mma are the same token, a
+//    broadcast). Read through L1 instead, they waited behind the weight loads issued before them
+//    (the probe, docs/quant.md). Per warp, not per block: no warp waits on a block-wide copy of
+//    x or on a barrier before its loop, and K has no limit. Against x copied whole per block
+//    (H100, thirty-fourth session, docs/quant.md): 25 of 28 cells (four widths, seven layers, N = 1)
+//    1-7% faster, the 8192-row layers (512 blocks, 1.29 waves) 4-10% slower.
 //  * Zero points as in the fused kernel: the A fragments hold q - zi exactly, and a segment's
 //    fractional rest z - zi (HQQ) is applied on the accumulator through the segment's sum of x,
-//    which the block computes once from shared memory when the launch needs it.
+//    which the warp sums from its slice when the launch needs it.
 // Why (H100, docs/quant.md, thirtieth session): the fused kernel gives a 4096-row layer 64 blocks
 // of 8 warps, a 14336-row one 224: 1-2 blocks an SM, too few warps to keep enough loads in flight,
 // and each block's shared-memory ring waits on barriers. 16-row blocks give those layers 256 and
@@ -68,11 +72,6 @@ template <bool V>
 struct Fixed {
   __host__ __device__ constexpr operator bool() const { return V; }
 };
-// The longest padded K it takes: x (64 KB at 32768) stays in shared memory with 3 blocks an SM.
-constexpr int kGemvMaxKp = 32768;
-
-// Shared memory of a launch: x (kp halves) and one float per segment for the zero points' sums.
-__host__ __device__ constexpr int gemv_smem_bytes(int kp, int ng) { return kp * 2 + kp / kChunk * ng * 4; }
 
 template <bool kBF16, int BITS, int NG>
 __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kernel(const LowbitArgs args) {
@@ -83,8 +82,12 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   constexpr int kChunkBytes = kRowBytes / U;        // a row's bytes of one chunk
   constexpr int kTilesPerWord = 8 / BITS;
   constexpr int kSegTiles = 8 / NG;                 // k16 tiles of a segment (one scale group)
+  constexpr int kXBytes = kCols * 2;               // x slice of a stage
+  constexpr int kXLanes = kXBytes / 16;             // lanes that copy it, 16 bytes each
+  constexpr int kSegLanes = kChunk / NG / 8;        // lanes whose 8 halves of x make a segment
+  static_assert(kXLanes <= 32 && kSegLanes <= 16, "a stage's x slice is one 16-byte copy a lane");
   using Nm = Num<kBF16>;
-  extern __shared__ __align__(128) unsigned char smem[];  // (as the fused kernel declares it)
+  __shared__ __align__(16) unsigned char xbuf[kGemvWarps][2][kXBytes];
   __shared__ float red[kGemvWarps][kGemvRows];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -104,8 +107,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     uint32_t w[2][U * BITS];  // rows g, g + 8: the lane's words of the stage, chunk-major
     uint32_t sz[2][U * NG];  // their (scale, zero) pairs, chunk-major
   };
-  auto load = [&](Stage& s, const int st) {
-    const unsigned char* p = wrow + static_cast<int64_t>(st) * (64 * kRowBytes);
+  // `after`: a zero that orders the loads after a use of the stage before (run, below).
+  auto load = [&](Stage& s, const int st, const uint32_t after = 0u) {
+    const unsigned char* p = wrow + static_cast<int64_t>(st) * (64 * kRowBytes) + after;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // Chunk u's `BITS` words at byte 4 BITS t of the row's chunk (the format's fragment order):
@@ -137,45 +141,47 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     }
   };
 
+  // Stage st's x slice into this warp's buffer b, as one cp.async group (an empty one where
+  // `on` is false, so that every step waits on the same count).
+  const char* x = static_cast<const char*>(args.x);
+  auto load_x = [&](const int b, const int st, const bool on) {
+    if (on && lane < kXLanes) ptx::cp_async_cg_16(xbuf[warp][b] + 16 * lane, x + st * kXBytes + 16 * lane);
+    ptx::cp_async_commit_group();
+  };
+
   // The first stage's weights go out before the wait for the previous kernel (programmatic
-  // dependent launch, launch.cuh); x after it.
+  // dependent launch, launch.cuh); its x after it.
   Stage cur, nxt;
   if (warp < stages) load(cur, warp);
   ptx::griddep_wait();
-  {
-    const int pieces = args.kp / 8;  // 16-byte pieces of x
-    const char* x = static_cast<const char*>(args.x);
-    for (int i = threadIdx.x; i < pieces; i += kGemvThreads) ptx::cp_async_cg_16(smem + 16 * i, x + 16 * i);
-    ptx::cp_async_commit_group();
-    ptx::cp_async_wait_group<0>();
-  }
-  // Fractional zero points (or force_xsum) need each segment's sum of x: one warp per segment.
-  const bool sums = args.force_xsum || !args.integer_zeros;
-  float* xsum = reinterpret_cast<float*>(smem + args.kp * 2);
-  if (sums) {
-    __syncthreads();
-    constexpr int kSegCols = kChunk / NG;
-    const uint16_t* xs = reinterpret_cast<const uint16_t*>(smem);
-    for (int seg = warp; seg < args.kp / kSegCols; seg += kGemvWarps) {
-      float v = 0.f;
-      for (int c = lane; c < kSegCols; c += 32) v += Nm::to_float(xs[seg * kSegCols + c]);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) xsum[seg] = v;
-    }
-  }
-  __syncthreads();
+  load_x(0, warp, warp < stages);
 
-  // This lane's B fragments: columns 16 T + 4 t .. + 3 of each k16 tile (the format's order).
-  const unsigned char* xlane = smem + 8 * t;
+  // Fractional zero points (or force_xsum) need each segment's sum of x.
+  const bool sums = args.force_xsum || !args.integer_zeros;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   // `sums`: the launch applies zero points through the segments' sums of x. Without it every zero
   // is an integer the A fragments subtract exactly (args.integer_zeros, checked on the host), and
   // the segment needs neither the clamp nor the sum term. Where kGemvSplitSums the main loop is
   // built twice, one copy a launch, and `sums` is a Fixed flag; elsewhere it is the launch's
   // bool and each segment branches on it.
-  auto compute = [&](const Stage& s, const int st, const auto sums) {
+  // `xs`: the stage's x slice in shared memory; this lane's B fragments are columns 16 T + 4 t .. + 3
+  // of each k16 tile (the format's order).
+  auto compute = [&](const Stage& s, const unsigned char* xs, const auto sums) {
     constexpr bool kFixed = !std::is_same_v<decltype(sums), const bool>;  // a Fixed<> flag
+    // Each segment's sum of x: lane l adds columns 8 l .. 8 l + 7, then the segment's lanes meet.
+    float xseg = 0.f;
+    if (sums) {
+      if (lane < kXLanes) {
+        const uint4 v = *reinterpret_cast<const uint4*>(xs + 16 * lane);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          xseg += Nm::to_float(static_cast<uint16_t>(w[i] & 0xffffu)) + Nm::to_float(static_cast<uint16_t>(w[i] >> 16));
+      }
+#pragma unroll
+      for (int o = 1; o < kSegLanes; o <<= 1) xseg += __shfl_xor_sync(0xffffffffu, xseg, o);
+    }
+    const unsigned char* xlane = xs + 8 * t;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -211,7 +217,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
             a[h] = unpack_pair<kBF16, BITS>(s.w[h][wi], s0, zc[h], zo[h]);
             a[h + 2] = unpack_pair<kBF16, BITS>(s.w[h][wi], s0 + 1, zc[h], zo[h]);
           }
-          const uint2 b = *reinterpret_cast<const uint2*>(xlane + (st * kCols + u * kChunk + 16 * T) * 2);
+          const uint2 b = *reinterpret_cast<const uint2*>(xlane + (u * kChunk + 16 * T) * 2);
           ptx::mma_m16n8k16<kBF16>(part, a, b.x, b.y);
         }
         // acc += s * (sum (q - zi) x - (z - zi) sum x), per row (e / 2)
@@ -219,25 +225,42 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[e] = fmaf(sc[e / 2], part[e], acc[e]);
         } else {
-          const float xs = sums ? xsum[st * U * NG + seg] : 0.f;
+          const float xsum = sums ? __shfl_sync(0xffffffffu, xseg, seg * kSegLanes) : 0.f;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[e] = fmaf(sc[e / 2], fmaf(-zf[e / 2], xs, part[e]), acc[e]);
+          for (int e = 0; e < 4; ++e) acc[e] = fmaf(sc[e / 2], fmaf(-zf[e / 2], xsum, part[e]), acc[e]);
         }
       }
     }
   };
 
-  // Two stage buffers in registers, named (not indexed) so they stay in registers.
+  // Two stage buffers in registers, named (not indexed) so they stay in registers, and x buffer
+  // 0 with `cur`, 1 with `nxt`. Each step waits for the x of the stage it computes (issued a step
+  // earlier) and meets the warp's lanes (__syncwarp: that x is visible to all, and all have read
+  // the other buffer), issues the next stage's x and weights, then computes.
+  // The stage's data must be waited for before the next stage's loads go out: ptxas counts all
+  // the weight loads on one scoreboard, so a first use placed after the next loads waits for
+  // those too, and the stage ahead is lost. Without help ptxas placed it there in every other
+  // step (the SASS, docs/quant.md). So the next load addresses and the x pointer of the compute
+  // take a zero computed from the stage's first scale word (ptx::zero_after): the wait comes
+  // before the loads, and outside the branch around them.
   auto run = [&](const auto sums_arg) {
     for (int st = warp; st < stages;) {
       int nx = st + kGemvWarps;
-      if (nx < stages) load(nxt, nx);
-      compute(cur, st, sums_arg);
+      ptx::cp_async_wait_group<0>();
+      __syncwarp();
+      const uint32_t after_cur = ptx::zero_after(cur.sz[0][0]);
+      load_x(1, nx, nx < stages);
+      if (nx < stages) load(nxt, nx, after_cur);
+      compute(cur, xbuf[warp][0] + after_cur, sums_arg);
       st = nx;
       if (st >= stages) break;
       nx = st + kGemvWarps;
-      if (nx < stages) load(cur, nx);
-      compute(nxt, st, sums_arg);
+      ptx::cp_async_wait_group<0>();
+      __syncwarp();
+      const uint32_t after_nxt = ptx::zero_after(nxt.sz[0][0]);
+      load_x(0, nx, nx < stages);
+      if (nx < stages) load(cur, nx, after_nxt);
+      compute(nxt, xbuf[warp][1] + after_nxt, sums_arg);
       st = nx;
     }
   };
@@ -266,27 +289,17 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   }
 }
 
-// Host side of one (dtype, bits) pair, instantiated with the fused kernel's variants.
+// Host side of one (dtype, bits) pair, instantiated with the fused kernel's variants. Its shared
+// memory is static (x buffers of 8 KB a block at most), so no opt-in and no dependence on K.
 template <bool kBF16, int BITS, int NG>
 struct GemvLauncher {
   static constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG>;
-  // The dynamic shared-memory opt-in, once per device: to the most any launch of this kernel asks
-  // (kGemvMaxKp), so the attribute does not depend on the layer.
-  static cudaError_t allow_smem(int smem) {
-    static std::atomic<uint64_t> done{0};
-    return allow_smem_once(kernel, smem, done);
-  }
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-    if (cudaError_t err = allow_smem(gemv_smem_bytes(kGemvMaxKp, NG)); err != cudaSuccess) return err;
-    return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, gemv_smem_bytes(args.kp, NG), stream, plan.pdl,
-                         args);
+    return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, 0, stream, plan.pdl, args);
   }
-  static int blocks_per_sm(int kp) {
-    if (allow_smem(gemv_smem_bytes(kGemvMaxKp, NG)) != cudaSuccess) return 1;
+  static int blocks_per_sm() {
     int blocks = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemvThreads, gemv_smem_bytes(kp, NG)) !=
-        cudaSuccess)
-      return 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemvThreads, 0) != cudaSuccess) return 1;
     return blocks > 0 ? blocks : 1;
   }
 };
@@ -306,16 +319,16 @@ cudaError_t launch_gemv(const LowbitArgs& args, const LowbitPlan& plan, cudaStre
   return with_groups<kBF16, BITS>(plan.ng, [&](auto g) { return decltype(g)::launch(args, plan, stream); });
 }
 template <bool kBF16, int BITS>
-int gemv_blocks_per_sm(int kp, int ng) {
-  return with_groups<kBF16, BITS>(ng, [&](auto g) { return decltype(g)::blocks_per_sm(kp); });
+int gemv_blocks_per_sm(int ng) {
+  return with_groups<kBF16, BITS>(ng, [&](auto g) { return decltype(g)::blocks_per_sm(); });
 }
 
 #define SPINFER_GEMV_INSTANTIATE(BF16, BITS)                                                           \
   template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  template int gemv_blocks_per_sm<BF16, BITS>(int, int);
+  template int gemv_blocks_per_sm<BF16, BITS>(int);
 #define SPINFER_GEMV_EXTERN(BF16, BITS)                                                                       \
   extern template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  extern template int gemv_blocks_per_sm<BF16, BITS>(int, int);
+  extern template int gemv_blocks_per_sm<BF16, BITS>(int);
 
 }  // namespace lowbit
 }  // namespace spinfer

@@ -59,19 +59,18 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
   });
 }
 
-// Resident blocks per SM of the GEMV kernel for a padded K (its shared memory holds x), asked
-// once per device, dtype, width, groups and K.
-int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int kp) {
-  return asked_once(std::make_tuple(device, bf16, bits, ng, kp), [&] {
+// Resident blocks per SM of the GEMV kernel, asked once per device, dtype, width and groups.
+int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng) {
+  return asked_once(std::make_tuple(device, bf16, bits, ng), [&] {
     return by_bits(bits, [&](auto b) {
-      return bf16 ? gemv_blocks_per_sm<true, b()>(kp, ng) : gemv_blocks_per_sm<false, b()>(kp, ng);
+      return bf16 ? gemv_blocks_per_sm<true, b()>(ng) : gemv_blocks_per_sm<false, b()>(ng);
     });
   });
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
 // it exists (gemv_supported: 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at
-// >= 64) and K is up to kGemvMaxKp.
+// >= 64), at any K.
 // 1 and 2 bits and the groups of 64 came in the thirty-second session: H100, one process, least of
 // 3 shuffled rounds, the four issue shapes at N = 1, geomean x cuBLAS fused -> GEMV: 1-bit g128
 // 3.82 -> 4.44, g64 3.51 -> 3.81, 2-bit g128 3.71 -> 4.25, 8-bit g64 1.73 -> 1.79 (8192x28672 2%
@@ -87,14 +86,14 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int kp) {
 // The fused kernel's own overrides ask for the fused kernel: a split factor from the caller
 // (tuning) or SPINFER_LOWBIT_SPLITS, a token tile (SPINFER_LOWBIT_BN), row pairs
 // (SPINFER_LOWBIT_PAIRS).
-bool use_gemv(int n, int kp, int bits, int ng, bool caller_splits, int device, bool bf16, int* resident) {
-  if (n != 1 || !gemv_supported(bits, ng) || kp > kGemvMaxKp) return false;
+bool use_gemv(int n, int bits, int ng, bool caller_splits, int device, bool bf16, int* resident) {
+  if (n != 1 || !gemv_supported(bits, ng)) return false;
   const char* env = std::getenv("SPINFER_LOWBIT_GEMV");
   if (env && env[0] == '0') return false;
   if (!(env && env[0] == '1') &&
       (caller_splits || std::getenv("SPINFER_LOWBIT_BN") || std::getenv("SPINFER_LOWBIT_PAIRS")))
     return false;
-  *resident = gemv_blocks_per_sm_for(device, bf16, bits, ng, kp);
+  *resident = gemv_blocks_per_sm_for(device, bf16, bits, ng);
   return true;
 }
 
@@ -246,7 +245,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
   if (const char* env = std::getenv("SPINFER_LOWBIT_SPLITS")) splits = std::max(-1, std::atoi(env));
   if (splits_wanted != 0) splits = std::max(-1, splits_wanted);
   const bool rule = splits == 0;  // the planner's own choice, not the caller's or SPINFER_LOWBIT_SPLITS
-  if (int resident = 0; use_gemv(n, kp, bits, p.ng, !rule, device, bf16, &resident)) {
+  if (int resident = 0; use_gemv(n, bits, p.ng, !rule, device, bf16, &resident)) {
     p.variant = kLowbitGemv;
     p.bn = 8, p.bulk_weights = false;  // (reported only)
     p.row_blocks = p.grid_blocks = (m + kGemvRows - 1) / kGemvRows;

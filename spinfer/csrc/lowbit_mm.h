@@ -92,7 +92,7 @@ struct LowbitPlan {
 // (A/B runs and tests), as SPINFER_LOWBIT_BN (8, 16, 32) does the token tile;
 // SPINFER_LOWBIT_BALANCED=0 keeps the rule to split-K; SPINFER_LOWBIT_PAIRS=1 / 0 forces row pairs
 // on / off. At N = 1 the plan is the GEMV kernel (lowbit_gemv.cuh) where it exists (gemv_supported:
-// 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; K up to kGemvMaxKp) unless the caller gives a split factor or one of
+// 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; any K) unless the caller gives a split factor or one of
 // SPINFER_LOWBIT_SPLITS, _BN, _PAIRS asks for the fused kernel; SPINFER_LOWBIT_GEMV=1 / 0 forces
 // it where it exists / off.
 LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int device, bool bf16, int splits);

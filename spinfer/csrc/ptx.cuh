@@ -59,6 +59,15 @@ __device__ __forceinline__ void cp_async_wait_group_dynamic(int n) {
   else cp_async_wait_group<2>();
 }
 
+// Zero, computed from `v`: added to an address, it makes the access wait until `v` has arrived
+// (the low-bit GEMV orders a stage's wait before the next stage's loads with it).
+__device__ __forceinline__ uint32_t zero_after(uint32_t v) {
+  uint32_t z;
+  // popc(v) <= 32, so popc(v) >> 6 is 0; ptxas folds `and v, 0` away but does not know this.
+  asm volatile("{\n.reg .b32 c;\npopc.b32 c, %1;\nshr.u32 %0, c, 6;\n}\n" : "=r"(z) : "r"(v));
+  return z;
+}
+
 // Read-only global loads (ld.global.nc): `stream_*` for data read once (the low-bit GEMV's weights:
 // L1::no_allocate keeps them from evicting what L1 holds for the block), `ldg_b32` for small
 // values the neighbouring warps read again (scales). Volatile for the streamed ones: they are

@@ -104,8 +104,8 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
     ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation).
 
-    One token (1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; K <= 32768) runs the GEMV kernel instead of the
-    fused one (``lowbit_plan(weight, 1)["gemv"]``; docs/quant.md).
+    One token (1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; any K) runs
+    the GEMV kernel instead of the fused one (``lowbit_plan(weight, 1)["gemv"]``; docs/quant.md).
 
     With ``out`` (a contiguous ``[N, M]`` tensor, ``N`` the product of the leading dims), the
     fused kernel writes into it at any N: static buffers for CUDA graphs.

@@ -243,25 +243,22 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   // step (the SASS, docs/quant.md). So the next load addresses and the x pointer of the compute
   // take a zero computed from the stage's first scale word (ptx::zero_after): the wait comes
   // before the loads, and outside the branch around them.
+  // One step: compute stage st from `now` and x buffer b, with stage st + 8 going out into `ahead`
+  // and buffer b ^ 1.
+  auto step = [&](Stage& now, Stage& ahead, const int b, const int st, const auto sums_arg) {
+    const int nx = st + kGemvWarps;
+    ptx::cp_async_wait_group<0>();
+    __syncwarp();
+    const uint32_t after = ptx::zero_after(now.sz[0][0]);
+    load_x(b ^ 1, nx, nx < stages);
+    if (nx < stages) load(ahead, nx, after);
+    compute(now, xbuf[warp][b] + after, sums_arg);
+  };
   auto run = [&](const auto sums_arg) {
-    for (int st = warp; st < stages;) {
-      int nx = st + kGemvWarps;
-      ptx::cp_async_wait_group<0>();
-      __syncwarp();
-      const uint32_t after_cur = ptx::zero_after(cur.sz[0][0]);
-      load_x(1, nx, nx < stages);
-      if (nx < stages) load(nxt, nx, after_cur);
-      compute(cur, xbuf[warp][0] + after_cur, sums_arg);
-      st = nx;
-      if (st >= stages) break;
-      nx = st + kGemvWarps;
-      ptx::cp_async_wait_group<0>();
-      __syncwarp();
-      const uint32_t after_nxt = ptx::zero_after(nxt.sz[0][0]);
-      load_x(0, nx, nx < stages);
-      if (nx < stages) load(cur, nx, after_nxt);
-      compute(nxt, xbuf[warp][1] + after_nxt, sums_arg);
-      st = nx;
+    for (int st = warp; st < stages; st += 2 * kGemvWarps) {
+      step(cur, nxt, 0, st, sums_arg);
+      if (st + kGemvWarps >= stages) break;
+      step(nxt, cur, 1, st + kGemvWarps, sums_arg);
     }
   };
   if constexpr (kGemvSplitSums<BITS, NG>) {

@@ -132,7 +132,7 @@ def test_gemv_runs_only_where_it_exists(monkeypatch):
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_planner_takes_the_gemv_for_one_token(bits, dtype, monkeypatch):
     """The rule (lowbit_mm.cu, use_gemv): N = 1 runs the GEMV wherever it exists, a block per 16
-    rows, unsplit, as many resident blocks as CUDA's occupancy calculator gives for K; the fused
+    rows, unsplit, as many resident blocks as CUDA's occupancy calculator gives (any K); the fused
     kernel's own overrides keep the fused kernel."""
     for m, k, group in ((1, 256, 128), (4097, 1000, None), (28672, 4096, 128), (1024, 28672, 256)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)

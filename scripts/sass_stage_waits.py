@@ -44,6 +44,11 @@ def events(sass):
     return "".join(seq)
 
 
+def pipelined(seq):
+    """No stretch between two stages' loads waits on them before its compute."""
+    return not any("WM" in stretch for stretch in seq.split("L")[1:-1])
+
+
 def main():
     tool = os.environ.get("CUOBJDUMP", "cuobjdump")
     bad = False
@@ -54,7 +59,7 @@ def main():
             if "lowbit_gemv_kernel" not in name:
                 continue
             seq = events(fn)
-            ok = not any("WM" in stretch for stretch in seq.split("L")[1:-1])
+            ok = pipelined(seq)
             bad |= not ok
             print(("ok  " if ok else "FAIL"), name, seq)
     sys.exit(1 if bad else 0)

@@ -6,7 +6,8 @@ width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) 
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
 and tensor copies of the activations, boxes below a tile (N = 20) and past N (33); or the cp.async
 loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the low-bit GEMV
-kernel at every width, two groups a chunk below 4 bits and at 8, with both zero-point paths; the weight-to-dense
+kernel at every width, two groups a chunk below 4 bits and at 8, with both zero-point paths, and
+its split tail rows; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets."""
 
 import os
@@ -78,6 +79,22 @@ for bits in (1, 2, 4, 8):
                 spinfer.lowbit_mm(x, q, torch.randn(m, device="cuda").to(dt))
                 torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, q.group_size, m, k, None, None, 0,
                                                 False, out=torch.empty(1, m, device="cuda", dtype=dt))
+# ... and its split tail rows: one wave of resident slots and 2 row blocks past it, split 3 ways
+# with a short last split (K = 6300: 25 stages of 256 columns, 50 at 8 bits), at 2 and 8 bits,
+# both zero-point paths
+from spinfer.ops.lowbit_mm import lowbit_plan  # noqa: E402
+
+os.environ["SPINFER_LOWBIT_TAIL"] = "3"
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+for bits in (2, 8):
+    q = LowBitWeight.quantize(torch.randn(16, 6300, device="cuda").half(), bits, None)
+    slots = sms * lowbit_plan(q, 1)["resident_blocks"]
+    q = LowBitWeight.quantize(torch.randn(16 * (slots + 2) - 5, 6300, device="cuda").half(), bits, None)
+    assert lowbit_plan(q, 1)["tail_splits"] == 3
+    for xsum in ("0", "1"):
+        os.environ["SPINFER_LOWBIT_XSUM"] = xsum
+        spinfer.lowbit_mm(torch.randn(1, 6300, device="cuda").half(), q, torch.randn(q.shape[0], device="cuda").half())
+os.environ.pop("SPINFER_LOWBIT_TAIL")
 os.environ.pop("SPINFER_LOWBIT_GEMV")
 os.environ.pop("SPINFER_LOWBIT_XSUM")
 # split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways

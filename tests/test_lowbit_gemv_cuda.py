@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import spinfer
-from spinfer.ops.lowbit_mm import lowbit_plan
+from spinfer.ops.lowbit_mm import PLAN_FIELDS, lowbit_plan
 from spinfer.quant import LowBitWeight
 from tests.conftest import rel_err
 from tests.test_lowbit_cuda import TOL, fused, reference
@@ -132,13 +132,18 @@ def test_gemv_runs_only_where_it_exists(monkeypatch):
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_planner_takes_the_gemv_for_one_token(bits, dtype, monkeypatch):
     """The rule (lowbit_mm.cu, use_gemv): N = 1 runs the GEMV wherever it exists, a block per 16
-    rows, unsplit, as many resident blocks as CUDA's occupancy calculator gives (any K); the fused
-    kernel's own overrides keep the fused kernel."""
+    rows, as many resident blocks as CUDA's occupancy calculator gives (any K), the rows past the
+    last whole wave split by tail_rule; the fused kernel's own overrides keep the fused kernel."""
     for m, k, group in ((1, 256, 128), (4097, 1000, None), (28672, 4096, 128), (1024, 28672, 256)):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
         plan = lowbit_plan(q, 1, dtype=dtype)
-        assert plan["gemv"] and plan["grid_blocks"] == plan["row_blocks"] == -(-m // 16), (m, k, plan)
-        assert plan["splits"] == 1 and plan["resident_blocks"] >= 1 and not plan["bulk_weights"], (m, k, plan)
+        assert plan["gemv"] and plan["row_blocks"] == -(-m // 16), (m, k, plan)
+        assert plan["resident_blocks"] >= 1 and not plan["bulk_weights"], (m, k, plan)
+        tail = tail_rule(plan["row_blocks"], plan["resident_blocks"], k, bits)
+        assert (plan["tail_first"], plan["tail_splits"], plan["tail_iters"]) == tail, (m, k, plan)
+        rows = plan["row_blocks"]
+        assert plan["grid_blocks"] == (tail[0] + (rows - tail[0]) * tail[1] if tail[1] else rows), (m, k, plan)
+        assert plan["splits"] == max(1, tail[1]), (m, k, plan)
         x = torch.randn(1, k, device="cuda").to(dtype)
         assert row_err(fused(x, q), reference(x, q), x, q.to("cpu").dequantize()) <= TOL[dtype], (m, k)
         for env, value in (("SPINFER_LOWBIT_BN", "8"), ("SPINFER_LOWBIT_PAIRS", "0"), ("SPINFER_LOWBIT_SPLITS", "1")):
@@ -146,6 +151,93 @@ def test_planner_takes_the_gemv_for_one_token(bits, dtype, monkeypatch):
             assert not lowbit_plan(q, 1, dtype=dtype)["gemv"], env
             monkeypatch.delenv(env)
         del q
+
+
+def tail_rule(row_blocks, resident, k, bits, wanted=0):
+    """lowbit_mm.cu's GEMV tail (gemv_tail_pays, schedule.cuh's tail_split): where a row block's
+    weights (16 rows x K) are at least 80 KB (128 KB at 8 bits), or `wanted` ways are asked for, the row blocks past
+    the last whole wave of resident slots (SMs x resident blocks) split slots // tail ways (or
+    `wanted`), each split at least a stage a warp (8), no empty split; (tail_first, splits, stages
+    a split) or zeros."""
+    slots = torch.cuda.get_device_properties(0).multi_processor_count * resident
+    stages = -(-k // (128 if bits == 8 else 256))
+    if not wanted and stages * 16 * (128 if bits == 8 else 256) * bits // 8 < (128 if bits == 8 else 80) * 1024:
+        return (0, 0, 0)
+    waves, tail = divmod(row_blocks, slots)
+    if waves < 1 or tail == 0:
+        return (0, 0, 0)
+    s = min(wanted or slots // tail, stages // 8)
+    if s < 2:
+        return (0, 0, 0)
+    per = -(-stages // s)
+    return (waves * slots, -(-stages // per), per)
+
+
+@pytest.mark.parametrize("bits,dtype", [(1, torch.float16), (2, torch.float16), (4, torch.float16),
+                                        (4, torch.bfloat16), (8, torch.float16)])
+def test_gemv_splits_the_rows_past_the_last_wave(bits, dtype, monkeypatch):
+    """A layer whose 16-row blocks fill one wave of resident slots and a quarter of the next:
+    SPINFER_LOWBIT_TAIL forces its tail rows split 2 or 3 ways (a short last split) or not, and the
+    plan follows tail_rule without it (no split: 25-50 KB a row block, 98 KB at 8 bits). The splits meet in
+    the workspace and the last to arrive sums them in a fixed order: NaN-poisoned outputs all
+    written, the exact reference with bias, integer and forced-sum zero points, deterministic, and
+    in a CUDA graph."""
+    monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
+    k, group = 6272, 128  # 24.5 stages of 256 columns (49 of 128 at 8 bits): a short last split
+    probe = lowbit_plan(LowBitWeight.quantize(torch.randn(16, k, device="cuda").to(dtype), bits, group), 1, dtype=dtype)
+    slots = torch.cuda.get_device_properties(0).multi_processor_count * probe["resident_blocks"]
+    m = 16 * (slots + slots // 4 + 1) - 5
+    q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
+    w = q.to("cpu").dequantize()
+    bias = torch.randn(m, device="cuda").to(dtype)
+    for tail, xsum in ((None, "0"), (None, "1"), ("0", "0"), ("2", "0"), ("3", "1")):
+        if tail is None:
+            monkeypatch.delenv("SPINFER_LOWBIT_TAIL", raising=False)
+        else:
+            monkeypatch.setenv("SPINFER_LOWBIT_TAIL", tail)
+        monkeypatch.setenv("SPINFER_LOWBIT_XSUM", xsum)
+        plan = lowbit_plan(q, 1, dtype=dtype)
+        expected = (0, 0, 0) if tail == "0" else tail_rule(plan["row_blocks"], plan["resident_blocks"], k, bits,
+                                                           int(tail or 0))
+        assert plan["gemv"] and (plan["tail_first"], plan["tail_splits"], plan["tail_iters"]) == expected, plan
+        assert expected[1] >= 2 or tail in ("0", None), f"the layer should split its tail: {plan}"
+        assert expected[1] == 0 or tail is not None, f"no split unforced: {plan}"
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        out = fused(x, q, bias)
+        assert row_err(out, reference(x, q, bias), x, w) <= TOL[dtype], (tail, xsum)
+        assert torch.equal(out, fused(x, q, bias)), "the splits are summed in a fixed order"
+    monkeypatch.delenv("SPINFER_LOWBIT_TAIL")
+    monkeypatch.setenv("SPINFER_LOWBIT_XSUM", "0")
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    spinfer.lowbit_mm(x, q, bias)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = spinfer.lowbit_mm(x, q, bias)
+    for _ in range(2):
+        x.copy_(torch.randn(1, k, device="cuda").to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, spinfer.lowbit_mm(x, q, bias)), "graph replays match eager runs"
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_gemv_tail_rule_on_large_layers(bits):
+    """The planner splits the tail rows of long row blocks only (lowbit_mm.cu, gemv_tail_pays):
+    8192x28672 (1.29 waves on an H100) at 2, 4 and 8 bits but not 1, the 4096-wide layers never.
+    Plans only: no weights are built."""
+    spinfer.build.load_extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
+    for m, k in ((8192, 28672), (8192, 14336), (8192, 8192), (14336, 4096), (28672, 8192), (28672 + 16, 4096)):
+        plan = dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, 128, 0)))
+        assert plan["gemv"], plan
+        expected = tail_rule(plan["row_blocks"], plan["resident_blocks"], k, bits)
+        assert (plan["tail_first"], plan["tail_splits"], plan["tail_iters"]) == expected, (m, k, plan)
+        if k == 4096:
+            assert plan["tail_splits"] == 0, (m, k, plan)
+        if (m, k) == (8192, 28672) and sms * plan["resident_blocks"] in range(8192 // 16 // 2 + 1, 8192 // 16):
+            assert (plan["tail_splits"] >= 2) == (bits > 1), plan
 
 
 def test_gemv_is_deterministic_and_captures_in_a_cuda_graph(monkeypatch):

@@ -6,8 +6,12 @@
 //  * A block of 8 warps owns 16 output rows (a quarter of one of the format's 64-row tiles) and
 //    all of K. Warp w takes stages w, w + 8, w + 16, ... of those rows; at the end the block sums
 //    the 8 warps' accumulators through shared memory in warp order (deterministic), adds bias and
-//    casts. There is no split-K and no workspace: a layer has ceil(M / 16) blocks, 4x the fused
-//    kernel's, and the block scheduler hands them out as SMs free up.
+//    casts. A layer has ceil(M / 16) blocks, 4x the fused kernel's, and the block scheduler hands
+//    them out as SMs free up. Where the row blocks are long (16 rows x K of at least 80 KB, 128
+//    at 8 bits: lowbit_mm.cu) the rows past the last whole wave of resident blocks run split-K
+//    instead, as the fused kernel's tail rows do (schedule.cuh, tail_split): alone, one an SM,
+//    they streamed at a fraction of the bandwidth. The last split to arrive sums the partials in
+//    split order.
 //  * No shared-memory ring and no barrier in the loop. Each lane loads its own A-fragment words
 //    of rows g and g + 8 (lowbit_mm.cuh's fragment order: 32 bytes a row per stage at 4 and 8
 //    bits, 16 at 2, 8 at 1) straight into registers with 16-, 8- or 4-byte
@@ -73,7 +77,10 @@ struct Fixed {
   __host__ __device__ constexpr operator bool() const { return V; }
 };
 
-template <bool kBF16, int BITS, int NG>
+// kTail: the launch splits its tail rows (LowbitArgs::tail_*). A variant of its own: the split's
+// bookkeeping in the plain kernel cost the layers that never split 1-3% (1 bit up to 8%; H100,
+// one process, thirty-fifth session).
+template <bool kBF16, int BITS, int NG, bool kTail>
 __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kernel(const LowbitArgs args) {
   static_assert(gemv_supported(BITS, NG), "a stage in at most 20 registers");
   constexpr int U = chunks_per_stage<BITS>();
@@ -92,11 +99,21 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int stages = args.kp / kCols;
-  const int row0 = blockIdx.x * kGemvRows;  // the block's first output row
-  // Rows g and g + 8 of the block are rows 16 (bx % 4) + g (+ 8) of 64-row tile bx / 4.
+  // The block's 16-row block rb and its stages [first, end): all of them, or, past tail_first (the
+  // split tail rows, LowbitArgs), split `tail_splits` ways of `tail_iters` stages, consecutive
+  // blocks taking consecutive splits of one row block.
+  unsigned rb = blockIdx.x;  // unsigned, as blockIdx.x: the plain kernel's code is the same as before the split
+  int split = 0, first = 0, end = stages;
+  const bool is_split = kTail && rb >= static_cast<unsigned>(args.tail_first);
+  if (is_split) {
+    const unsigned j = rb - args.tail_first;
+    rb = args.tail_first + j / args.tail_splits, split = static_cast<int>(j % args.tail_splits);
+    first = split * args.tail_iters, end = min(first + args.tail_iters, stages);
+  }
+  const int row0 = rb * kGemvRows;  // the block's first output row
+  // Rows g and g + 8 of the block are rows 16 (rb % 4) + g (+ 8) of 64-row tile rb / 4.
   const unsigned char* wrow = reinterpret_cast<const unsigned char*>(args.qweight) +
-                              ((static_cast<int64_t>(blockIdx.x / 4) * stages * 64) + (blockIdx.x % 4) * 16 + g) *
-                                  kRowBytes;
+                              ((static_cast<int64_t>(rb / 4) * stages * 64) + (rb % 4) * 16 + g) * kRowBytes;
   const uint32_t* szrow[2];  // rows past M read row M - 1's scales: finite, never stored
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -152,9 +169,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   // The first stage's weights go out before the wait for the previous kernel (programmatic
   // dependent launch, launch.cuh); its x after it.
   Stage cur, nxt;
-  if (warp < stages) load(cur, warp);
+  if (first + warp < end) load(cur, first + warp);
   ptx::griddep_wait();
-  load_x(0, warp, warp < stages);
+  load_x(0, first + warp, first + warp < end);
 
   // Fractional zero points (or force_xsum) need each segment's sum of x.
   const bool sums = args.force_xsum || !args.integer_zeros;
@@ -250,14 +267,14 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     ptx::cp_async_wait_group<0>();
     __syncwarp();
     const uint32_t after = ptx::zero_after(now.sz[0][0]);
-    load_x(b ^ 1, nx, nx < stages);
-    if (nx < stages) load(ahead, nx, after);
+    load_x(b ^ 1, nx, nx < end);
+    if (nx < end) load(ahead, nx, after);
     compute(now, xbuf[warp][b] + after, sums_arg);
   };
   auto run = [&](const auto sums_arg) {
-    for (int st = warp; st < stages; st += 2 * kGemvWarps) {
+    for (int st = first + warp; st < end; st += 2 * kGemvWarps) {
       step(cur, nxt, 0, st, sums_arg);
-      if (st + kGemvWarps >= stages) break;
+      if (st + kGemvWarps >= end) break;
       step(nxt, cur, 1, st + kGemvWarps, sums_arg);
     }
   };
@@ -274,11 +291,36 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   // Token 0 is column 0 of the n8 accumulators: lanes with t = 0, registers 0 (row g) and 2 (g + 8).
   if (t == 0) red[warp][g] = acc[0], red[warp][g + 8] = acc[2];
   __syncthreads();
+  float v = 0.f;
   if (threadIdx.x < kGemvRows) {
-    const int row = row0 + threadIdx.x;
-    float v = 0.f;
 #pragma unroll
     for (int w = 0; w < kGemvWarps; ++w) v += red[w][threadIdx.x];
+  }
+  if (kTail && is_split) {
+    // The row block's splits meet in the workspace ([splits][row blocks][16] floats); the last
+    // to arrive sums them in split order (deterministic), as the fused kernel's epilogue does:
+    // one thread publishes with an acq_rel fence after the barrier that orders the stores.
+    __shared__ int s_last;
+    const int64_t split_stride = static_cast<int64_t>((args.m + kGemvRows - 1) / kGemvRows) * kGemvRows;
+    float* ws = args.workspace + static_cast<int64_t>(rb) * kGemvRows;
+    if (threadIdx.x < kGemvRows) ws[split * split_stride + threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      ptx::fence_acq_rel_gpu();  // release: the block's partials before the count
+      const bool last = atomicAdd(args.counters + rb, 1) == args.tail_splits - 1;
+      if (last) ptx::fence_acq_rel_gpu();  // acquire: the other splits' partials before the sum
+      s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    if (threadIdx.x < kGemvRows) {
+      v = 0.f;
+      for (int sp = 0; sp < args.tail_splits; ++sp) v += __ldcg(ws + sp * split_stride + threadIdx.x);
+    }
+    if (threadIdx.x == 0) args.counters[rb] = 0;  // re-armed for the next launch
+  }
+  if (threadIdx.x < kGemvRows) {
+    const int row = row0 + threadIdx.x;
     if (row < args.m) {
       if (args.bias != nullptr) v += load_float<kBF16>(args.bias, row);
       store_float<kBF16>(args.y, row, v);
@@ -290,9 +332,14 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
 // memory is static (x buffers of 8 KB a block at most), so no opt-in and no dependence on K.
 template <bool kBF16, int BITS, int NG>
 struct GemvLauncher {
-  static constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG>;
+  static constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG, false>;
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-    return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, 0, stream, plan.pdl, args);
+    if (plan.tail_splits <= 1)
+      return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, 0, stream, plan.pdl, args);
+    LowbitArgs a = args;
+    a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
+    return launch_kernel(lowbit_gemv_kernel<kBF16, BITS, NG, true>, dim3(plan.grid_blocks), kGemvThreads, 0, stream,
+                         plan.pdl, a);
   }
   static int blocks_per_sm() {
     int blocks = 1;

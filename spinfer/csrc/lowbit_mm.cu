@@ -97,6 +97,26 @@ bool use_gemv(int n, int bits, int ng, bool caller_splits, int device, bool bf16
   return true;
 }
 
+// Whether the GEMV splits its tail rows: where a row block's weights (16 rows x K) are at least
+// 80 KB (128 KB at 8 bits), so that the tail blocks, streaming alone one an SM, take long against
+// a split's own costs (its partials, a fence, an atomic and the last arrival's sum). Measured, H100,
+// one process, least of 2 rounds, N = 1, us, off -> split slots / tail ways (3 on these 8192-row
+// layers: 512 row blocks, 1.29 waves of 396 slots; docs/quant.md, thirty-fifth session), with a
+// row block's bytes in KiB, layers 8192 x K:
+//   4 bits: x28672 (224) 56.0 -> 49.2, x14336 (112) 30.8 -> 28.6, x12288 (96) 26.6 -> 25.2,
+//           x10240 (80) 23.7 -> 23.1; x8192 (64) 19.3 -> 19.8;
+//   2 bits g64: x28672 (112) 42.7 -> 38.3, x24576 (96) 37.1 -> 33.7, x20480 (80) 32.0 -> 29.8;
+//           x14336 (56) 22.6 -> 23.6, x8192 (32) 16.1 -> 17.1;
+//   8 bits: x28672 (448) 91.6 -> 85.2, x14336 (224) 46.6 -> 45.4, x8192 (128) 28.8 -> 28.6;
+//           x6144 (96) 22.5 -> 23.3, x5120 (80) 20.3 -> 21.2;
+//   1 bit: x28672 (56) 32.2 -> 35.2, x14336 (28) 18.5 -> 20.9;
+// and the short rows lose everywhere: 14336x4096 (2 ways) at 4 bits (32 KB) 16.1 -> 17.8, 8 bits
+// (64 KB) 25.0 -> 26.4. Why 8 bits needs longer rows was not found.
+bool gemv_tail_pays(int stages, int bits) {
+  const int64_t stage_bytes = int64_t{kGemvRows} * kChunk * (bits == 8 ? 1 : 2) * bits / 8;
+  return stages * stage_bytes >= (bits == 8 ? 128 : 80) * 1024;
+}
+
 template <bool kBF16>
 cudaError_t launch_for(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t s) {
   return by_bits(a.bits, [&](auto b) {
@@ -251,6 +271,22 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     p.row_blocks = p.grid_blocks = (m + kGemvRows - 1) / kGemvRows;
     p.splits = 1, p.iters_per_split = total_iters;
     p.blocks_per_sm = resident;
+    // Split tail rows where a row block is long (gemv_tail_pays): the rows past the last whole
+    // wave of resident slots run split (schedule.cuh, tail_split), each split at least a stage a
+    // warp, so they fill the slots the wave leaves instead of streaming one block an SM.
+    // SPINFER_LOWBIT_TAIL as for the fused kernel: 0 off, S > 0 forces S splits at any length.
+    const char* env = std::getenv("SPINFER_LOWBIT_TAIL");
+    const int wanted = env ? std::atoi(env) : 0;
+    const bool tail = env ? wanted > 0 : gemv_tail_pays(total_iters, bits);
+    const TailSplit t = tail ? tail_split(p.row_blocks, sms * resident, INT32_MAX, total_iters, wanted, kGemvWarps)
+                             : TailSplit{0, 0, 0};
+    if (t.splits > 1) {
+      p.tail_first = t.first, p.tail_splits = t.splits, p.tail_iters = t.iters;
+      p.grid_blocks = t.first + (p.row_blocks - t.first) * t.splits;
+      p.splits = t.splits;
+      p.counters = p.row_blocks;
+      p.workspace_floats = static_cast<int64_t>(p.splits) * p.row_blocks * kGemvRows;
+    }
     return p;
   }
   const bool pairs =

@@ -87,14 +87,16 @@ inline BalancedGrid balanced_grid(int sms, int per_sm, int n_tiles, int row_bloc
 // 30.1 / 30.5 / 33.2; 8-bit 28672x8192 96.7 -> 93.6 at N = 1; 2-bit g64 28672x8192 52.1 -> 46.4.
 // 3 or 4 splits (the tail blocks exceed the SMs: some get two) measured between the two.
 // `wanted` > 0 asks for that many splits (the planner passes SPINFER_LOWBIT_TAIL, an A/B switch
-// whose 0 turns the split off; scripts/timeline_lowbit.cu its `tail:S`).
+// whose 0 turns the split off; scripts/timeline_lowbit.cu its `tail:S`). The GEMV (lowbit_gemv.cuh)
+// counts waves of its resident slots (SMs x blocks per SM, passed as `sms`, with no resident cap)
+// and asks for longer splits (`min_iters`, lowbit_mm.cu).
 struct TailSplit {
   int first, splits, iters;
 };
-inline TailSplit tail_split(int rows, int sms, int resident, int total_iters, int wanted = 0) {
+inline TailSplit tail_split(int rows, int sms, int resident, int total_iters, int wanted = 0, int min_iters = 2) {
   const int waves = rows / sms, tail = rows - waves * sms;
   if (waves < 1 || tail == 0 || waves + 1 > resident) return {0, 0, 0};
-  const int s = std::min(wanted > 0 ? wanted : sms / tail, total_iters / 2);  // at least two stages a split
+  const int s = std::min(wanted > 0 ? wanted : sms / tail, total_iters / min_iters);  // min_iters stages a split
   if (s < 2) return {0, 0, 0};
   const int iters = (total_iters + s - 1) / s;
   return {waves * sms, (total_iters + iters - 1) / iters, iters};  // no empty splits

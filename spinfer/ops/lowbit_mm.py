@@ -167,7 +167,9 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     whether the bulk loader runs (``bulk_weights``: each stage's weight tiles in one bulk copy and
     its activation slice in tensor copies; sm_90 at 4 bits with ``bn`` 32, unless
     ``SPINFER_LOADER=cp_async``), and whether one token runs on the GEMV kernel instead (``gemv``:
-    blocks of 16 rows, ``tile_rows`` 16; 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; ``SPINFER_LOWBIT_GEMV=1|0`` forces it).
+    blocks of 16 rows, ``tile_rows`` 16, its tail rows split where a row block's weights are at least
+    80 KiB (128 KiB at 8 bits); 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64;
+    ``SPINFER_LOWBIT_GEMV=1|0`` forces it).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)

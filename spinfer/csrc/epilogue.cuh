@@ -56,6 +56,25 @@ __device__ __forceinline__ void reduce_splits(const TileOut& o, const float* til
   }
 }
 
+// Split-K arrival, after every thread has stored its share of the block's partials: whether this
+// block is the last of `splits` to arrive for `tile`. Every thread of the block must call it. One
+// thread publishes the block's partials and counts it: the barrier orders every thread's partial
+// stores before its fence, which is cumulative (the pattern of CUTLASS's semaphore). One acq_rel
+// fence per block instead of a sequentially consistent __threadfence() in every thread, which ncu
+// showed stalling the end of every split block. The last block re-arms the counter once it has
+// read the partials (counters[tile] = 0).
+__device__ __forceinline__ bool arrive_last(int32_t* counters, int64_t tile, int splits, int tid, int* s_is_last) {
+  __syncthreads();
+  if (tid == 0) {
+    ptx::fence_acq_rel_gpu();  // release: the block's partials before the count
+    const bool last = atomicAdd(counters + tile, 1) == splits - 1;
+    if (last) ptx::fence_acq_rel_gpu();  // acquire: the other splits' partials before the reads after it
+    *s_is_last = last;
+  }
+  __syncthreads();
+  return *s_is_last;
+}
+
 // Writes a block's results. A lane of a warp that holds accumulators (has_acc) holds rows
 // m_base + m_local (+8) and token columns n0 + nb*8 + 2*(lane%4) (+1) of each n8 sub-tile;
 // other warps (a copy-issuing producer) only help with the reduction.
@@ -105,19 +124,7 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
         if (nb * 8 + 2 * tq + (e % 2) < valid)
           part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
   }
-  // One thread publishes the block's partials and counts it: the barrier orders every
-  // thread's partial stores before its fence, which is cumulative (the pattern of CUTLASS's
-  // semaphore). One acq_rel fence per block instead of a sequentially consistent
-  // __threadfence() in every thread, which ncu showed stalling the end of every split block.
-  __syncthreads();
-  if (tid == 0) {
-    ptx::fence_acq_rel_gpu();  // release: the block's partials before the count
-    const bool last = atomicAdd(o.counters + tile, 1) == splits - 1;
-    if (last) ptx::fence_acq_rel_gpu();  // acquire: the other splits' partials before the reads below
-    *s_is_last = last;
-  }
-  __syncthreads();
-  if (!*s_is_last) return;
+  if (!arrive_last(o.counters, tile, splits, tid, s_is_last)) return;
   const float* tile_base = o.workspace + tile * kTileFloats;
   if constexpr (kVectorSum) {
     reduce_splits<kBF16, kBlockRows, kThreads>(o, tile_base, split_stride, splits, m_base, n0, valid * kBlockRows, tid);

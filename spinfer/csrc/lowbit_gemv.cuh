@@ -297,27 +297,18 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     for (int w = 0; w < kGemvWarps; ++w) v += red[w][threadIdx.x];
   }
   if (kTail && is_split) {
-    // The row block's splits meet in the workspace ([splits][row blocks][16] floats); the last
-    // to arrive sums them in split order (deterministic), as the fused kernel's epilogue does:
-    // one thread publishes with an acq_rel fence after the barrier that orders the stores.
+    // The row block's splits meet in the workspace ([splits][row blocks][16] floats, a 1-token
+    // tile of 16 rows each); the last to arrive sums them in split order (deterministic), adds
+    // bias and casts, as the fused kernel's epilogue does (epilogue.cuh).
     __shared__ int s_last;
     const int64_t split_stride = static_cast<int64_t>((args.m + kGemvRows - 1) / kGemvRows) * kGemvRows;
-    float* ws = args.workspace + static_cast<int64_t>(rb) * kGemvRows;
-    if (threadIdx.x < kGemvRows) ws[split * split_stride + threadIdx.x] = v;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      ptx::fence_acq_rel_gpu();  // release: the block's partials before the count
-      const bool last = atomicAdd(args.counters + rb, 1) == args.tail_splits - 1;
-      if (last) ptx::fence_acq_rel_gpu();  // acquire: the other splits' partials before the sum
-      s_last = last;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    if (threadIdx.x < kGemvRows) {
-      v = 0.f;
-      for (int sp = 0; sp < args.tail_splits; ++sp) v += __ldcg(ws + sp * split_stride + threadIdx.x);
-    }
+    if (threadIdx.x < kGemvRows) args.workspace[split * split_stride + rb * kGemvRows + threadIdx.x] = v;
+    if (!arrive_last(args.counters, rb, args.tail_splits, threadIdx.x, &s_last)) return;
+    const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, 1};
+    reduce_splits<kBF16, kGemvRows, kGemvThreads>(out, args.workspace + rb * kGemvRows, split_stride,
+                                                   args.tail_splits, row0, 0, kGemvRows, threadIdx.x);
     if (threadIdx.x == 0) args.counters[rb] = 0;  // re-armed for the next launch
+    return;
   }
   if (threadIdx.x < kGemvRows) {
     const int row = row0 + threadIdx.x;

@@ -112,9 +112,8 @@ bool use_gemv(int n, int bits, int ng, bool caller_splits, int device, bool bf16
 //   1 bit: x28672 (56) 32.2 -> 35.2, x14336 (28) 18.5 -> 20.9;
 // and the short rows lose everywhere: 14336x4096 (2 ways) at 4 bits (32 KB) 16.1 -> 17.8, 8 bits
 // (64 KB) 25.0 -> 26.4. Why 8 bits needs longer rows was not found.
-bool gemv_tail_pays(int stages, int bits) {
-  const int64_t stage_bytes = int64_t{kGemvRows} * kChunk * (bits == 8 ? 1 : 2) * bits / 8;
-  return stages * stage_bytes >= (bits == 8 ? 128 : 80) * 1024;
+bool gemv_tail_pays(int64_t row_block_bytes, int bits) {
+  return row_block_bytes >= (bits == 8 ? 128 : 80) * 1024;
 }
 
 template <bool kBF16>
@@ -277,7 +276,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     // SPINFER_LOWBIT_TAIL as for the fused kernel: 0 off, S > 0 forces S splits at any length.
     const char* env = std::getenv("SPINFER_LOWBIT_TAIL");
     const int wanted = env ? std::atoi(env) : 0;
-    const bool tail = env ? wanted > 0 : gemv_tail_pays(total_iters, bits);
+    const bool tail = env ? wanted > 0 : gemv_tail_pays(int64_t{kGemvRows} * total_iters * u * kChunk * bits / 8, bits);
     const TailSplit t = tail ? tail_split(p.row_blocks, sms * resident, INT32_MAX, total_iters, wanted, kGemvWarps)
                              : TailSplit{0, 0, 0};
     if (t.splits > 1) {

@@ -6,8 +6,8 @@ width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) 
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
 and tensor copies of the activations, boxes below a tile (N = 20) and past N (33); or the cp.async
 loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the low-bit GEMV
-kernel at every width, two groups a chunk below 4 bits and at 8, with both zero-point paths, and
-its split tail rows; the weight-to-dense
+kernel at every width, two groups a chunk below 4 bits and at 8, both loaders (registers and the
+shared-memory ring), with both zero-point paths, and its split tail rows; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets."""
 
 import os
@@ -65,13 +65,14 @@ for bits in (1, 2, 4, 8):
 os.environ.pop("SPINFER_LOWBIT_PAIRS")
 os.environ.pop("SPINFER_LOWBIT_SPLITS")
 # the GEMV kernel (lowbit_gemv.cuh, N = 1): odd M and K, one row, a warp with no stage, a K of many
-# stages a warp (each warp's two x buffers refilled), both zero-point paths, the integer check
-# skipped and not
+# stages a warp (each warp's two x buffers, or its ring's two slots, refilled), both loaders, both
+# zero-point paths, the integer check skipped and not
 os.environ["SPINFER_LOWBIT_GEMV"] = "1"
 for bits in (1, 2, 4, 8):
     for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128 if bits == 4 else 64),
                         (17, 9216, 128)]:
-        for xsum in ("0", "1"):
+        for xsum, ring in (("0", "0"), ("1", "0"), ("0", "2"), ("1", "2")):
+            os.environ["SPINFER_LOWBIT_RING"] = ring
             os.environ["SPINFER_LOWBIT_XSUM"] = xsum
             for dt in (torch.float16, torch.bfloat16):
                 q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
@@ -85,6 +86,7 @@ for bits in (1, 2, 4, 8):
 from spinfer.ops.lowbit_mm import lowbit_plan  # noqa: E402
 
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"
+os.environ["SPINFER_LOWBIT_RING"] = "0"  # (the ring never splits its tail rows)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for bits in (2, 8):
     q = LowBitWeight.quantize(torch.randn(16, 6300, device="cuda").half(), bits, None)
@@ -96,6 +98,7 @@ for bits in (2, 8):
         spinfer.lowbit_mm(torch.randn(1, 6300, device="cuda").half(), q, torch.randn(q.shape[0], device="cuda").half())
 os.environ.pop("SPINFER_LOWBIT_TAIL")
 os.environ.pop("SPINFER_LOWBIT_GEMV")
+os.environ.pop("SPINFER_LOWBIT_RING")
 os.environ.pop("SPINFER_LOWBIT_XSUM")
 # split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"

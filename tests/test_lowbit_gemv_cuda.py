@@ -1,8 +1,9 @@
 """The low-bit GEMV kernel (spinfer/csrc/lowbit_gemv.cuh: one token, 1, 2, 4 and 8 bits, blocks of
-16 rows) against the exact float64 reference: odd M and K, every group size it takes, bias, fp16 and
-bf16, integer, fractional and out-of-range zero points, NaN-poisoned outputs, the planner's rule,
-determinism and CUDA graphs. SPINFER_LOWBIT_GEMV=1 forces it where it exists. Skipped without a
-GPU."""
+16 rows) against the exact float64 reference: odd M and K, every group size it takes, both loaders
+(registers and the shared-memory ring), bias, fp16 and bf16, integer, fractional and out-of-range
+zero points, NaN-poisoned outputs, the planner's rules, determinism and CUDA graphs.
+SPINFER_LOWBIT_GEMV=1 forces it where it exists, SPINFER_LOWBIT_RING=0 / 2 either loader. Skipped
+without a GPU."""
 
 import pytest
 import torch
@@ -21,6 +22,14 @@ GROUPS = {1: (None, 256, 128, 64), 2: (None, 256, 128, 64), 4: (None, 256, 128),
 UNSUPPORTED = ((1, 32), (2, 32), (4, 64), (4, 32), (8, 32))
 
 
+@pytest.fixture(params=["0", "2"], ids=["registers", "ring"])
+def loader(request, monkeypatch):
+    """Each of the GEMV's loaders, forced: a stage's words straight into registers (0) or through
+    each warp's ring of two shared-memory slots (2)."""
+    monkeypatch.setenv("SPINFER_LOWBIT_RING", request.param)
+    return request.param
+
+
 def row_err(out, ref, x, w):
     """The worst output row's error against the scale of its dot product, ||w_row|| ||x|| / sqrt(K)
     (the size of a sum of K products of random signs), plus |ref|: one token makes one value per
@@ -34,7 +43,7 @@ def row_err(out, ref, x, w):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_gemv_matches_the_reference(bits, dtype, monkeypatch):
+def test_gemv_matches_the_reference(bits, dtype, loader, monkeypatch):
     monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
     # M: one row, under a block, one block, not a multiple of 16 or 64, past 4096; K: one stage,
     # not a multiple of 256 (zero-padded x), several stages per warp and one warp left idle; every
@@ -45,7 +54,8 @@ def test_gemv_matches_the_reference(bits, dtype, monkeypatch):
     for m, k, group in ((1, 256, g[-1]), (15, 1000, None), (16, 512, 256), (333, 1152, g[-1]), (4097, 4096, 128),
                         (100, 2560, g[-2]), (64, 6144, None), (70, 1280, g[-1]), last):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
-        assert lowbit_plan(q, 1, dtype=dtype)["gemv"], (m, k, group)
+        plan = lowbit_plan(q, 1, dtype=dtype)
+        assert plan["gemv"] and plan["gemv_ring"] == int(loader), (m, k, group, plan)
         bias = torch.randn(m, device="cuda").to(dtype)
         x = torch.randn(1, k, device="cuda").to(dtype)
         w = q.to("cpu").dequantize()
@@ -61,7 +71,7 @@ def test_gemv_matches_the_reference(bits, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, monkeypatch):
+def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, loader, monkeypatch):
     """As the fused kernel: q - zi in the A fragments, z - zi through the segment's sum of x. Rows
     mix integer zeros, fractional ones and zeros past the exact range; every row is checked on its
     own (row_err), with and without SPINFER_LOWBIT_XSUM=1 (every segment through the sum). The
@@ -90,7 +100,7 @@ def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, monke
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_gemv_takes_any_k(bits, monkeypatch):
+def test_gemv_takes_any_k(bits, loader, monkeypatch):
     """x is copied a stage at a time into each warp's two buffers, so K has no limit: K past the
     32768 that x in shared memory allowed before, with the smallest group the width takes and
     per-channel at a K that is not a multiple of a stage, each warp's buffers refilled many times,
@@ -183,6 +193,7 @@ def test_gemv_splits_the_rows_past_the_last_wave(bits, dtype, monkeypatch):
     outputs all written, the exact reference with bias, integer and forced-sum zero points,
     deterministic, and in a CUDA graph."""
     monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
+    monkeypatch.setenv("SPINFER_LOWBIT_RING", "0")  # the register loader: the ring never splits its tail
     k, group = 6272, 128  # 24.5 stages of 256 columns (49 of 128 at 8 bits): a short last split
     probe = lowbit_plan(LowBitWeight.quantize(torch.randn(16, k, device="cuda").to(dtype), bits, group), 1, dtype=dtype)
     slots = torch.cuda.get_device_properties(0).multi_processor_count * probe["resident_blocks"]
@@ -224,8 +235,9 @@ def test_gemv_splits_the_rows_past_the_last_wave(bits, dtype, monkeypatch):
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_gemv_tail_rule_on_large_layers(bits):
     """The planner splits the tail rows of long row blocks only (lowbit_mm.cu, gemv_tail_pays):
-    8192x28672 (1.29 waves on an H100) at 2, 4 and 8 bits but not 1, the 4096-wide layers never.
-    Plans only: no weights are built."""
+    8192x28672 (1.29 waves of the register loader's slots on an H100) at 2 and 8 bits but not 1, and
+    at 4 bits only with the register loader (the ring's 4 resident blocks take its 512 row blocks in
+    one wave); the 4096-wide layers never. Plans only: no weights are built."""
     spinfer.build.load_extension()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
@@ -239,7 +251,47 @@ def test_gemv_tail_rule_on_large_layers(bits):
         slots = sms * plan["resident_blocks"]
         # 512 row blocks: one wave and a tail that splits at least 2 ways (an H100: 396 slots, 3 ways)
         if (m, k) == (8192, 28672) and slots < 512 and slots // (512 - slots) >= 2:
-            assert (plan["tail_splits"] >= 2) == (bits > 1), plan
+            assert (plan["tail_splits"] >= 2) == (bits > 1) and plan["gemv_ring"] == 0, plan
+
+
+def ring_rule(bits, group, row_blocks, register_slots):
+    """lowbit_mm.cu's gemv_ring_slots: the shared-memory ring (2 slots a warp) at 4 bits where the
+    row blocks fill a wave of the register loader's slots, at 1 and 2 bits with groups of 64; the
+    registers elsewhere (8 bits, one group a chunk below 4 bits, small 4-bit layers)."""
+    if bits == 4:
+        return 2 if row_blocks >= register_slots else 0
+    return 2 if bits <= 2 and group == 64 else 0
+
+
+@pytest.mark.parametrize("bits,group", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128)])
+def test_gemv_ring_rule(bits, group, monkeypatch):
+    """The planner's loader (gemv_ring_slots) on the issue's and Llama-8B's layers: the ring by
+    ring_rule unless its own resident blocks would leave tail rows to split (then the registers and
+    their split tail), reported with its resident blocks; SPINFER_LOWBIT_RING=0 / 2 forces either,
+    the forced ring without a split. Plans only."""
+    spinfer.build.load_extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
+
+    def plan(m, k, ring=None):
+        if ring is None:
+            monkeypatch.delenv("SPINFER_LOWBIT_RING", raising=False)
+        else:
+            monkeypatch.setenv("SPINFER_LOWBIT_RING", ring)
+        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, group, 0)))
+
+    for m, k in ((28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)):
+        registers, ring, auto = plan(m, k, "0"), plan(m, k, "2"), plan(m, k)
+        assert registers["gemv_ring"] == 0 and ring["gemv_ring"] == 2 and ring["tail_splits"] == 0, (m, k, ring)
+        assert ring["resident_blocks"] >= 1 and registers["resident_blocks"] >= 1
+        want = ring_rule(bits, group, registers["row_blocks"], sms * registers["resident_blocks"])
+        if want and tail_rule(ring["row_blocks"], ring["resident_blocks"], k, bits)[1] >= 2:
+            want = 0  # the ring would leave tail rows to split
+        assert auto["gemv_ring"] == want, (m, k, auto)
+        same = ring if want else registers
+        assert all(auto[f] == same[f] for f in ("resident_blocks", "tail_first", "tail_splits", "grid_blocks")), (m, k)
+        if bits == 4:  # the ring keeps no stage in registers: more blocks fit
+            assert ring["resident_blocks"] >= registers["resident_blocks"], (ring, registers)
 
 
 def test_gemv_is_deterministic_and_captures_in_a_cuda_graph(monkeypatch):

@@ -25,6 +25,16 @@
 //    x or on a barrier before its loop, and K has no limit. Against x copied whole per block
 //    (H100, thirty-fourth session, docs/quant.md): 25 of 28 cells (four widths, seven layers, N = 1)
 //    1-7% faster, the 8192-row layers (512 blocks, 1.29 waves) 4-10% slower.
+//  * Or, where the planner asks (LowbitPlan::gemv_ring, lowbit_mm.cu's gemv_ring_slots: 4 bits on
+//    layers of at least a wave, 1 and 2 bits with groups of 64), each warp streams through a ring
+//    of two shared-memory slots instead: a stage's 16 rows of weights (2 KB at 4 bits), their
+//    (scale, zero) words and its x slice come in one cp.async group, the lanes dividing the copies
+//    (a (scale, zero) word once a warp, not once for each of the 4 lanes that use it), and the
+//    lanes read their fragment words back from the slot (XOR-swizzled rows: no bank conflicts).
+//    No stage waits in registers (52 at 4 bits instead of 80: 4 resident blocks instead of 3),
+//    and at 1 and 2 bits with two groups a chunk, bound by instruction issue, the scale loads are
+//    a quarter of the instructions. H100, N = 1 (docs/quant.md, thirty-sixth session): 2-bit g64
+//    28672x8192 39.1 -> 33.6 us, 4-bit 8192x28672 49.2 -> 47.0. The ring has no split-tail variant.
 //  * Zero points as in the fused kernel: the A fragments hold q - zi exactly, and a segment's
 //    fractional rest z - zi (HQQ) is applied on the accumulator through the segment's sum of x,
 //    which the warp sums from its slice when the launch needs it.
@@ -70,6 +80,30 @@ __host__ __device__ constexpr bool gemv_supported(int bits, int ng) {
 // time to land.
 template <int BITS, int NG>
 constexpr bool kGemvSplitSums = BITS == 2 && NG == 2;
+// The ring path (kRing > 0, lowbit_gemv_kernel): a warp's slot holds a stage's 16 rows of weights,
+// their (scale, zero) words and the stage's x slice.
+template <int BITS, int NG>
+__host__ __device__ constexpr int gemv_slot_bytes() {
+  return kGemvRows * chunks_per_stage<BITS>() * kChunk * BITS / 8 + kGemvRows * chunks_per_stage<BITS>() * NG * 4 +
+         chunks_per_stage<BITS>() * kChunk * 2;
+}
+// The ring path's slots a warp (LowbitPlan::gemv_ring) and a block's dynamic shared memory.
+constexpr int kGemvRingSlots = 2;
+template <int BITS, int NG, int R>
+constexpr int gemv_smem_bytes() {
+  return kGemvWarps * R * gemv_slot_bytes<BITS, NG>();
+}
+// Where 16-byte piece i of a stage's rows sits in its slot: a row's pieces XOR-swizzled so that
+// the lanes' fragment reads (rows g and g + 8, lane t's bytes 4 BITS t of each chunk) of one
+// shared-memory wavefront fall on distinct banks: rows 2j and 2j + 1 at 4 and 8 bits (16-byte
+// reads, 8 lanes a wavefront), rows j and j + 2 at 2 bits (8-byte, 16 lanes), j and j + 4 at 1 bit.
+template <int BITS>
+__host__ __device__ constexpr int gemv_ring_piece(int i) {
+  constexpr int P = chunks_per_stage<BITS>() * kChunk * BITS / 8 / 16;  // pieces a row
+  const int row = i / P, c = i % P;
+  const int f = BITS == 8 ? (row & 1) : BITS == 4 ? (row & 1) << 2 : BITS == 2 ? ((row >> 1) & 1) << 1 : (row >> 2) & 1;
+  return row * P + (c ^ f);
+}
 // A flag fixed at compile time that converts to bool in device code (std::bool_constant's
 // conversion is host-only without --expt-relaxed-constexpr).
 template <bool V>
@@ -80,9 +114,12 @@ struct Fixed {
 // kTail: the launch splits its tail rows (LowbitArgs::tail_*). A variant of its own: the split's
 // bookkeeping in the plain kernel cost the layers that never split 1-3% (1 bit up to 8%; H100,
 // one process, thirty-fifth session).
-template <bool kBF16, int BITS, int NG, bool kTail>
+// kRing: 0 keeps a stage in flight in registers (above); R >= 2 gives each warp a shared-memory
+// ring of R stage slots (weights, scales and x of a stage, one cp.async group), R - 1 in flight.
+template <bool kBF16, int BITS, int NG, bool kTail, int kRing>
 __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kernel(const LowbitArgs args) {
   static_assert(gemv_supported(BITS, NG), "a stage in at most 20 registers");
+  static_assert(kRing == 0 || kRing >= 2, "a ring of at least two slots");
   constexpr int U = chunks_per_stage<BITS>();
   constexpr int kCols = U * kChunk;                 // columns of a stage
   constexpr int kRowBytes = U * kChunk * BITS / 8;  // a row's bytes of a stage: 128 (8, 4 bits), 64, 32
@@ -94,7 +131,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   constexpr int kSegLanes = kChunk / NG / 8;        // lanes whose 8 halves of x make a segment
   static_assert(kXLanes <= 32 && kSegLanes <= 16, "a stage's x slice is one 16-byte copy a lane");
   using Nm = Num<kBF16>;
-  __shared__ __align__(16) unsigned char xbuf[kGemvWarps][2][kXBytes];
+  // the register path's x buffers (a token 16 bytes a warp on the ring path, which holds x in its slots)
+  __shared__ __align__(16) unsigned char xbuf[kGemvWarps][kRing == 0 ? 2 : 1][kRing == 0 ? kXBytes : 16];
   __shared__ float red[kGemvWarps][kGemvRows];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -124,6 +162,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     uint32_t w[2][U * BITS];  // rows g, g + 8: the lane's words of the stage, chunk-major
     uint32_t sz[2][U * NG];  // their (scale, zero) pairs, chunk-major
   };
+
   // `after`: a zero that orders the loads after a use of the stage before (run, below).
   auto load = [&](Stage& s, const int st, const uint32_t after = 0u) {
     const unsigned char* p = wrow + static_cast<int64_t>(st) * (64 * kRowBytes) + after;
@@ -158,6 +197,66 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     }
   };
 
+  // The ring path's slot: the row block's 16 rows of the stage as the format stores them (16-byte
+  // pieces, each row's swizzled by gemv_ring_swizzle), then their (scale, zero) words [16][U NG],
+  // then the stage's x slice.
+  constexpr int kStageBytes = kGemvRows * kRowBytes;
+  constexpr int kSzWords = U * NG;
+  constexpr int kSlotBytes = gemv_slot_bytes<BITS, NG>();
+  const unsigned char* wblock = reinterpret_cast<const unsigned char*>(args.qweight) +
+                                ((static_cast<int64_t>(rb / 4) * stages * 64) + (rb % 4) * 16) * kRowBytes;
+  unsigned char* ring = nullptr;
+  if constexpr (kRing > 0) {
+    extern __shared__ __align__(16) unsigned char ring_smem[];
+    ring = ring_smem + warp * kRing * kSlotBytes;
+  }
+  // Stage st's weights and scales, and its x slice, into the slot at d (no commit).
+  auto copy_w = [&](unsigned char* d, const int st) {
+    const unsigned char* src = wblock + static_cast<int64_t>(st) * (64 * kRowBytes);
+#pragma unroll
+    for (int i = lane; i < kStageBytes / 16; i += 32) ptx::cp_async_cg_16(d + 16 * gemv_ring_piece<BITS>(i), src + 16 * i);
+#pragma unroll
+    for (int i = lane; i < kGemvRows * kSzWords; i += 32) {
+      const int r = i / kSzWords, j = i % kSzWords;
+      const int col = st * kCols + j * (kChunk / NG);
+      ptx::cp_async_ca_4(d + kStageBytes + 4 * i, static_cast<const uint32_t*>(args.scale_zero) +
+                                                     static_cast<int64_t>(min(row0 + r, args.m - 1)) * args.groups +
+                                                     min(col >> args.group_shift, args.groups - 1));
+    }
+  };
+  constexpr int kSlotX = kStageBytes + 4 * kGemvRows * kSzWords;  // the x slice's offset in a slot
+  auto copy_x = [&](unsigned char* d, const int st) {
+    if (lane < kXLanes) ptx::cp_async_cg_16(d + kSlotX + 16 * lane, static_cast<const char*>(args.x) + st * kXBytes + 16 * lane);
+  };
+  // The lane's words of a slot, as `load` takes them from global memory.
+  auto read_slot = [&](Stage& s, const int slot) {
+    const unsigned char* b = ring + slot * kSlotBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = g + 8 * h;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        uint32_t* d = s.w[h] + u * BITS;
+        const int byte = r * kRowBytes + u * kChunkBytes + 4 * BITS * t;
+        if constexpr (BITS >= 4) {
+#pragma unroll
+          for (int i = 0; i < BITS / 4; ++i) {
+            const uint4 v = *reinterpret_cast<const uint4*>(b + 16 * gemv_ring_piece<BITS>(byte / 16 + i));
+            d[4 * i] = v.x, d[4 * i + 1] = v.y, d[4 * i + 2] = v.z, d[4 * i + 3] = v.w;
+          }
+        } else if constexpr (BITS == 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(b + 16 * gemv_ring_piece<BITS>(byte / 16) + byte % 16);
+          d[0] = v.x, d[1] = v.y;
+        } else {
+          d[0] = *reinterpret_cast<const uint32_t*>(b + 16 * gemv_ring_piece<BITS>(byte / 16) + byte % 16);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kSzWords; ++j)
+        s.sz[h][j] = reinterpret_cast<const uint32_t*>(b + kStageBytes)[r * kSzWords + j];
+    }
+  };
+
   // Stage st's x slice into this warp's buffer b, as one cp.async group (an empty one where
   // `on` is false, so that every step waits on the same count).
   const char* x = static_cast<const char*>(args.x);
@@ -169,9 +268,25 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
   // The first stage's weights go out before the wait for the previous kernel (programmatic
   // dependent launch, launch.cuh); its x after it.
   Stage cur, nxt;
-  if (first + warp < end) load(cur, first + warp);
-  ptx::griddep_wait();
-  load_x(0, first + warp, first + warp < end);
+  if constexpr (kRing == 0) {
+    if (first + warp < end) load(cur, first + warp);
+    ptx::griddep_wait();
+    load_x(0, first + warp, first + warp < end);
+  } else {
+    // The first R - 1 stages' weights and scales, then (after the wait for the previous kernel)
+    // their x: 2 (R - 1) groups; every step then adds one and waits for all but R - 2.
+#pragma unroll
+    for (int i = 0; i < kRing - 1; ++i) {
+      if (first + warp + kGemvWarps * i < end) copy_w(ring + i * kSlotBytes, first + warp + kGemvWarps * i);
+      ptx::cp_async_commit_group();
+    }
+    ptx::griddep_wait();
+#pragma unroll
+    for (int i = 0; i < kRing - 1; ++i) {
+      if (first + warp + kGemvWarps * i < end) copy_x(ring + i * kSlotBytes, first + warp + kGemvWarps * i);
+      ptx::cp_async_commit_group();
+    }
+  }
 
   // Fractional zero points (or force_xsum) need each segment's sum of x.
   const bool sums = args.force_xsum || !args.integer_zeros;
@@ -269,13 +384,33 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     const uint32_t after = ptx::zero_after(now.sz[0][0]);
     load_x(b ^ 1, nx, nx < end);
     if (nx < end) load(ahead, nx, after);
-    compute(now, xbuf[warp][b] + after, sums_arg);
+    compute(now, xbuf[warp][b] + after, sums_arg);  // (the register path)
   };
   auto run = [&](const auto sums_arg) {
-    for (int st = first + warp; st < end; st += 2 * kGemvWarps) {
-      step(cur, nxt, 0, st, sums_arg);
-      if (st + kGemvWarps >= end) break;
-      step(nxt, cur, 1, st + kGemvWarps, sums_arg);
+    if constexpr (kRing == 0) {
+      for (int st = first + warp; st < end; st += 2 * kGemvWarps) {
+        step(cur, nxt, 0, st, sums_arg);
+        if (st + kGemvWarps >= end) break;
+        step(nxt, cur, 1, st + kGemvWarps, sums_arg);
+      }
+    } else {
+      // Slot `slot` holds stage st; the slot before it (computed by the last step, read by every
+      // lane before this step's __syncwarp) takes stage st + 8 (R - 1).
+      int slot = 0;
+      for (int st = first + warp; st < end; st += kGemvWarps) {
+        ptx::cp_async_wait_group<kRing - 2>();
+        __syncwarp();
+        const int nx = st + kGemvWarps * (kRing - 1), free_slot = slot == 0 ? kRing - 1 : slot - 1;
+        if (nx < end) {
+          copy_w(ring + free_slot * kSlotBytes, nx);
+          copy_x(ring + free_slot * kSlotBytes, nx);
+        }
+        ptx::cp_async_commit_group();
+        Stage s;
+        read_slot(s, slot);
+        compute(s, ring + slot * kSlotBytes + kSlotX, sums_arg);
+        slot = slot + 1 == kRing ? 0 : slot + 1;
+      }
     }
   };
   if constexpr (kGemvSplitSums<BITS, NG>) {
@@ -323,19 +458,35 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
 // memory is static (x buffers of 8 KB a block at most), so no opt-in and no dependence on K.
 template <bool kBF16, int BITS, int NG>
 struct GemvLauncher {
-  static constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG, false>;
-  static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-    if (plan.tail_splits <= 1)
-      return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, 0, stream, plan.pdl, args);
+  template <bool kTail, int R>
+  static cudaError_t launch_variant(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
+    constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG, kTail, R>;
+    constexpr int smem = gemv_smem_bytes<BITS, NG, R>();
+    if constexpr (smem > 0) {
+      static std::atomic<uint64_t> allowed{0};  // per kernel
+      if (const cudaError_t e = allow_smem_once(kernel, smem, allowed); e != cudaSuccess) return e;
+    }
     LowbitArgs a = args;
-    a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
-    return launch_kernel(lowbit_gemv_kernel<kBF16, BITS, NG, true>, dim3(plan.grid_blocks), kGemvThreads, 0, stream,
-                         plan.pdl, a);
+    if (kTail) a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
+    return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, smem, stream, plan.pdl, a);
   }
-  static int blocks_per_sm() {
+  static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
+    const bool tail = plan.tail_splits > 1;
+    if (plan.gemv_ring != 0) {  // (the planner never splits the ring's tail rows)
+      if (plan.gemv_ring != kGemvRingSlots || tail) return cudaErrorInvalidValue;
+      return launch_variant<false, kGemvRingSlots>(args, plan, stream);
+    }
+    return tail ? launch_variant<true, 0>(args, plan, stream) : launch_variant<false, 0>(args, plan, stream);
+  }
+  static int blocks_per_sm(int ring) {
     int blocks = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemvThreads, 0) != cudaSuccess) return 1;
-    return blocks > 0 ? blocks : 1;
+    const cudaError_t e =
+        ring == 0 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, lowbit_gemv_kernel<kBF16, BITS, NG, false, 0>,
+                                                                  kGemvThreads, 0)
+                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                        &blocks, lowbit_gemv_kernel<kBF16, BITS, NG, false, kGemvRingSlots>, kGemvThreads,
+                        gemv_smem_bytes<BITS, NG, kGemvRingSlots>());
+    return e == cudaSuccess && blocks > 0 ? blocks : 1;
   }
 };
 
@@ -354,16 +505,16 @@ cudaError_t launch_gemv(const LowbitArgs& args, const LowbitPlan& plan, cudaStre
   return with_groups<kBF16, BITS>(plan.ng, [&](auto g) { return decltype(g)::launch(args, plan, stream); });
 }
 template <bool kBF16, int BITS>
-int gemv_blocks_per_sm(int ng) {
-  return with_groups<kBF16, BITS>(ng, [&](auto g) { return decltype(g)::blocks_per_sm(); });
+int gemv_blocks_per_sm(int ng, int ring) {
+  return with_groups<kBF16, BITS>(ng, [&](auto g) { return decltype(g)::blocks_per_sm(ring); });
 }
 
 #define SPINFER_GEMV_INSTANTIATE(BF16, BITS)                                                           \
   template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  template int gemv_blocks_per_sm<BF16, BITS>(int);
+  template int gemv_blocks_per_sm<BF16, BITS>(int, int);
 #define SPINFER_GEMV_EXTERN(BF16, BITS)                                                                       \
   extern template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  extern template int gemv_blocks_per_sm<BF16, BITS>(int);
+  extern template int gemv_blocks_per_sm<BF16, BITS>(int, int);
 
 }  // namespace lowbit
 }  // namespace spinfer

@@ -60,12 +60,37 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
 }
 
 // Resident blocks per SM of the GEMV kernel, asked once per device, dtype, width and groups.
-int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng) {
-  return asked_once(std::make_tuple(device, bf16, bits, ng), [&] {
+int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
+  return asked_once(std::make_tuple(device, bf16, bits, ng, ring), [&] {
     return by_bits(bits, [&](auto b) {
-      return bf16 ? gemv_blocks_per_sm<true, b()>(ng) : gemv_blocks_per_sm<false, b()>(ng);
+      return bf16 ? gemv_blocks_per_sm<true, b()>(ng, ring) : gemv_blocks_per_sm<false, b()>(ng, ring);
     });
   });
+}
+
+// The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots, or 0,
+// the registers, by width, groups and the layer's row blocks against the register kernel's slots
+// (SMs x its resident blocks). The planner runs the ring only where the tail rows are not split
+// (the ring has no split variant: at 2-bit g64 8192x28672 it ran 41.3 us with the split against
+// the registers' 38.2). SPINFER_LOWBIT_RING=0 / 2 forces either, the ring without the split.
+// Measured, H100, one process, least of 2 rounds, N = 1, us, registers -> ring (thirty-sixth
+// session, docs/quant.md):
+//  * 1 and 2 bits with groups of 64 (two a chunk): a slot's 16 rows of (scale, zero) words come
+//    in 2 copies a lane instead of each lane loading its rows' 8, 4 lanes the same words. 2-bit g64
+//    28672x8192 39.1 -> 33.6, 14336x4096 14.3 -> 13.6, 4096x14336 13.2 -> 12.1, 4096x4096 7.4 ->
+//    6.9, 28672x4096 23.0 -> 20.9 (geomean of seven layers 3.32 -> 3.53x cuBLAS); 1-bit g64 3.44
+//    -> 3.53x (14336x4096 13.6 -> 12.8, the others flat).
+//  * 4 bits where the row blocks fill a wave of the register kernel's slots: the ring holds no
+//    stage in registers (52 instead of 80), so 4 blocks an SM are resident instead of 3. g128
+//    28672x8192 47.6 -> 47.1, 8192x28672 (one wave of the ring's 528 slots, the registers' split
+//    tail) 49.2 -> 47.0, 14336x4096 16.0 -> 15.7, 28672x4096 26.0 -> 25.6; under a wave it lost
+//    (g256 4096x4096 7.6 -> 8.0, 6144x4096 9.1 -> 9.3).
+//  * Not at 8 bits (geomean 1.86 -> 1.82x; 28672x8192 82.4 -> 85.7), 1 and 2 bits with one group a
+//    chunk (1-bit g128 3.94 -> 3.79x, 2-bit g128 3.67 -> 3.64x).
+int gemv_ring_slots(int bits, int ng, int row_blocks, int register_slots) {
+  if (const char* env = std::getenv("SPINFER_LOWBIT_RING")) return std::atoi(env) == kGemvRingSlots ? kGemvRingSlots : 0;
+  if (bits == 4) return row_blocks >= register_slots ? kGemvRingSlots : 0;
+  return bits <= 2 && ng == 2 ? kGemvRingSlots : 0;
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
@@ -93,7 +118,7 @@ bool use_gemv(int n, int bits, int ng, bool caller_splits, int device, bool bf16
   if (!(env && env[0] == '1') &&
       (caller_splits || std::getenv("SPINFER_LOWBIT_BN") || std::getenv("SPINFER_LOWBIT_PAIRS")))
     return false;
-  *resident = gemv_blocks_per_sm_for(device, bf16, bits, ng);
+  *resident = gemv_blocks_per_sm_for(device, bf16, bits, ng, 0);
   return true;
 }
 
@@ -269,7 +294,6 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     p.bn = 8, p.bulk_weights = false;  // (reported only)
     p.row_blocks = p.grid_blocks = (m + kGemvRows - 1) / kGemvRows;
     p.splits = 1, p.iters_per_split = total_iters;
-    p.blocks_per_sm = resident;
     // Split tail rows where a row block is long (gemv_tail_pays): the rows past the last whole
     // wave of resident slots run split (schedule.cuh, tail_split), each split at least a stage a
     // warp, so they fill the slots the wave leaves instead of streaming one block an SM.
@@ -277,8 +301,19 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     const char* env = std::getenv("SPINFER_LOWBIT_TAIL");
     const int wanted = env ? std::atoi(env) : 0;
     const bool tail = env ? wanted > 0 : gemv_tail_pays(int64_t{kGemvRows} * total_iters * u * kChunk * bits / 8, bits);
-    const TailSplit t = tail ? tail_split(p.row_blocks, sms * resident, INT32_MAX, total_iters, wanted, kGemvWarps)
-                             : TailSplit{0, 0, 0};
+    auto tail_for = [&](int slots) {
+      return tail ? tail_split(p.row_blocks, slots, INT32_MAX, total_iters, wanted, kGemvWarps) : TailSplit{0, 0, 0};
+    };
+    TailSplit t = tail_for(sms * resident);
+    // The shared-memory ring where it pays (gemv_ring_slots) and its own resident blocks leave no
+    // tail rows to split; forced (SPINFER_LOWBIT_RING=2), it runs without the split.
+    if (const int ring = gemv_ring_slots(bits, p.ng, p.row_blocks, sms * resident); ring > 0) {
+      const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring);
+      if (std::getenv("SPINFER_LOWBIT_RING") || tail_for(sms * ring_resident).splits <= 1) {
+        p.gemv_ring = ring, resident = ring_resident, t = TailSplit{0, 0, 0};
+      }
+    }
+    p.blocks_per_sm = resident;
     if (t.splits > 1) {
       p.tail_first = t.first, p.tail_splits = t.splits, p.tail_iters = t.iters;
       p.grid_blocks = t.first + (p.row_blocks - t.first) * t.splits;

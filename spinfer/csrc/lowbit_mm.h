@@ -76,6 +76,9 @@ struct LowbitPlan {
   // tail_splits ways (tail_iters stages each, grid_blocks blocks in all); the others are whole.
   // tail_splits 0: none.
   int tail_first, tail_splits, tail_iters;
+  // The GEMV's loader (lowbit_gemv.cuh): 0, each lane's words of a stage straight into registers;
+  // 2, each warp's ring of 2 shared-memory slots filled by cp.async (gemv_ring_pays).
+  int gemv_ring;
   int64_t workspace_floats;
   int counters;
   bool pdl;        // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)

@@ -162,6 +162,11 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     uint32_t w[2][U * BITS];  // rows g, g + 8: the lane's words of the stage, chunk-major
     uint32_t sz[2][U * NG];  // their (scale, zero) pairs, chunk-major
   };
+  // The scale group of stage st's segment j (both loaders). Group sizes are powers of two;
+  // per-channel groups come with a shift that gives 0, and padding columns clamp to the last group.
+  auto group_of = [&](const int st, const int j) {
+    return min((st * kCols + j * (kChunk / NG)) >> args.group_shift, args.groups - 1);
+  };
 
   // `after`: a zero that orders the loads after a use of the stage before (run, below).
   auto load = [&](Stage& s, const int st, const uint32_t after = 0u) {
@@ -188,17 +193,12 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
         }
       }
 #pragma unroll
-      for (int j = 0; j < U * NG; ++j) {
-        // Group sizes are powers of two; per-channel groups come with a shift that gives 0, and
-        // padding columns clamp to the last group.
-        const int col = st * kCols + j * (kChunk / NG);
-        s.sz[h][j] = ptx::ldg_b32(szrow[h] + min(col >> args.group_shift, args.groups - 1));
-      }
+      for (int j = 0; j < U * NG; ++j) s.sz[h][j] = ptx::ldg_b32(szrow[h] + group_of(st, j));
     }
   };
 
   // The ring path's slot: the row block's 16 rows of the stage as the format stores them (16-byte
-  // pieces, each row's swizzled by gemv_ring_swizzle), then their (scale, zero) words [16][U NG],
+  // pieces, each row's swizzled by gemv_ring_piece), then their (scale, zero) words [16][U NG],
   // then the stage's x slice.
   constexpr int kStageBytes = kGemvRows * kRowBytes;
   constexpr int kSzWords = U * NG;
@@ -217,11 +217,10 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     for (int i = lane; i < kStageBytes / 16; i += 32) ptx::cp_async_cg_16(d + 16 * gemv_ring_piece<BITS>(i), src + 16 * i);
 #pragma unroll
     for (int i = lane; i < kGemvRows * kSzWords; i += 32) {
-      const int r = i / kSzWords, j = i % kSzWords;
-      const int col = st * kCols + j * (kChunk / NG);
+      const int r = i / kSzWords, j = i % kSzWords;  // rows past M read row M - 1's, as szrow
       ptx::cp_async_ca_4(d + kStageBytes + 4 * i, static_cast<const uint32_t*>(args.scale_zero) +
                                                      static_cast<int64_t>(min(row0 + r, args.m - 1)) * args.groups +
-                                                     min(col >> args.group_shift, args.groups - 1));
+                                                     group_of(st, j));
     }
   };
   constexpr int kSlotX = kStageBytes + 4 * kGemvRows * kSzWords;  // the x slice's offset in a slot

@@ -87,8 +87,11 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
 //    (g256 4096x4096 7.6 -> 8.0, 6144x4096 9.1 -> 9.3).
 //  * Not at 8 bits (geomean 1.86 -> 1.82x; 28672x8192 82.4 -> 85.7), 1 and 2 bits with one group a
 //    chunk (1-bit g128 3.94 -> 3.79x, 2-bit g128 3.67 -> 3.64x).
-int gemv_ring_slots(int bits, int ng, int row_blocks, int register_slots) {
-  if (const char* env = std::getenv("SPINFER_LOWBIT_RING")) return std::atoi(env) == kGemvRingSlots ? kGemvRingSlots : 0;
+// `forced`: set where SPINFER_LOWBIT_RING chose.
+int gemv_ring_slots(int bits, int ng, int row_blocks, int register_slots, bool* forced) {
+  const char* env = std::getenv("SPINFER_LOWBIT_RING");
+  *forced = env != nullptr;
+  if (env) return std::atoi(env) == kGemvRingSlots ? kGemvRingSlots : 0;
   if (bits == 4) return row_blocks >= register_slots ? kGemvRingSlots : 0;
   return bits <= 2 && ng == 2 ? kGemvRingSlots : 0;
 }
@@ -307,9 +310,10 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     TailSplit t = tail_for(sms * resident);
     // The shared-memory ring where it pays (gemv_ring_slots) and its own resident blocks leave no
     // tail rows to split; forced (SPINFER_LOWBIT_RING=2), it runs without the split.
-    if (const int ring = gemv_ring_slots(bits, p.ng, p.row_blocks, sms * resident); ring > 0) {
+    bool forced = false;
+    if (const int ring = gemv_ring_slots(bits, p.ng, p.row_blocks, sms * resident, &forced); ring > 0) {
       const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring);
-      if (std::getenv("SPINFER_LOWBIT_RING") || tail_for(sms * ring_resident).splits <= 1) {
+      if (forced || tail_for(sms * ring_resident).splits <= 1) {
         p.gemv_ring = ring, resident = ring_resident, t = TailSplit{0, 0, 0};
       }
     }

@@ -30,10 +30,11 @@
 //    of two shared-memory slots instead: a stage's 16 rows of weights (2 KB at 4 bits), their
 //    (scale, zero) words and its x slice come in one cp.async group, the lanes dividing the copies
 //    (a (scale, zero) word once a warp, not once for each of the 4 lanes that use it), and the
-//    lanes read their fragment words back from the slot (XOR-swizzled rows: no bank conflicts).
+//    lanes read their fragment words back from the slot (rows XOR-swizzled so that one
+//    wavefront's reads fall on distinct banks, gemv_ring_piece).
 //    No stage waits in registers (52 at 4 bits instead of 80: 4 resident blocks instead of 3),
-//    and at 1 and 2 bits with two groups a chunk, bound by instruction issue, the scale loads are
-//    a quarter of the instructions. H100, N = 1 (docs/quant.md, thirty-sixth session): 2-bit g64
+//    and at 1 and 2 bits with two groups a chunk, bound by instruction issue, the scale loads
+//    were ~65 of a stage's ~384 instructions (2-bit g64, thirty-third session). H100, N = 1 (docs/quant.md, thirty-sixth session): 2-bit g64
 //    28672x8192 39.1 -> 33.6 us, 4-bit 8192x28672 49.2 -> 47.0. The ring has no split-tail variant.
 //  * Zero points as in the fused kernel: the A fragments hold q - zi exactly, and a segment's
 //    fractional rest z - zi (HQQ) is applied on the accumulator through the segment's sum of x,

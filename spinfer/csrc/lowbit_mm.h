@@ -77,7 +77,7 @@ struct LowbitPlan {
   // tail_splits 0: none.
   int tail_first, tail_splits, tail_iters;
   // The GEMV's loader (lowbit_gemv.cuh): 0, each lane's words of a stage straight into registers;
-  // 2, each warp's ring of 2 shared-memory slots filled by cp.async (gemv_ring_pays).
+  // 2, each warp's ring of 2 shared-memory slots filled by cp.async (lowbit_mm.cu, gemv_ring_slots).
   int gemv_ring;
   int64_t workspace_floats;
   int counters;

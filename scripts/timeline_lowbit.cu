@@ -29,25 +29,8 @@
 #include <string>
 #include <vector>
 
+#include "harness.cuh"
 #include "lowbit_mm.cuh"
-
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-
-__global__ void read_flush(const int4* buf, size_t n, int* sink) {  // evicts L2 by reading
-  int4 acc = {0, 0, 0, 0};
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const int4 v = buf[i];
-    acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
-  }
-  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x7fffffff) *sink = 1;
-}
 
 static double pct(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
@@ -74,15 +57,7 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   if (m % 64 || m / 64 > (1 << 16)) return std::fprintf(stderr, "M must be a multiple of 64, at most 2^22\n"), 2;
 
-  const size_t flush_bytes = size_t(512) << 20;
-  int4* flush;
-  int* sink;
-  CHECK(cudaMalloc(&flush, flush_bytes));
-  CHECK(cudaMemset(flush, 1, flush_bytes));
-  CHECK(cudaMalloc(&sink, 4));
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
+  FlushedTimer flushed;
   std::printf("M=%d, 4-bit g128, N=%d (BN=%d), %s, no PDL, L2 flushed; medians of %d launches (us)\n", m, n, bn,
               balanced ? "balanced schedule" : tail_splits ? "tail rows split" : "unsplit", reps);
   std::printf("%6s %7s | %14s | %6s %7s %6s | %27s | %8s\n", "K", "event", "starts p50/max", "first", "loop",
@@ -141,14 +116,8 @@ int main(int argc, char** argv) {
     std::map<int, std::vector<double>> by_load;  // blocks on the SM -> their end times (last launch)
     std::vector<unsigned long long> last;        // the last launch's stamps
     for (int r = -3; r < reps; ++r) {
-      read_flush<<<264, 512>>>(flush, flush_bytes / 16, sink);
-      CHECK(cudaEventRecord(e0));
-      CHECK(launch());
-      CHECK(cudaEventRecord(e1));
-      CHECK(cudaEventSynchronize(e1));
+      const float us = flushed(launch);
       if (r < 0) continue;  // warm-up
-      float ms;
-      CHECK(cudaEventElapsedTime(&ms, e0, e1));
       std::vector<unsigned long long> t(size_t(blocks) * 5);
       CHECK(cudaMemcpyFromSymbol(t.data(), spinfer_timeline, t.size() * 8));
       unsigned long long t0 = ~0ull, tend = 0;
@@ -159,10 +128,10 @@ int main(int argc, char** argv) {
         st.push_back((q[0] - t0) * 1e-3), fi.push_back((q[1] - q[0]) * 1e-3);
         lo.push_back((q[2] - q[1]) * 1e-3), ep.push_back((q[3] - q[2]) * 1e-3), en.push_back((q[3] - t0) * 1e-3);
       }
-      ev.push_back(ms * 1e3), s50.push_back(pct(st, 0.5)), smax.push_back(pct(st, 1.0));
+      ev.push_back(us), s50.push_back(pct(st, 0.5)), smax.push_back(pct(st, 1.0));
       first.push_back(pct(fi, 0.5)), loop.push_back(pct(lo, 0.5)), epil.push_back(pct(ep, 0.5));
       e10.push_back(pct(en, 0.1)), e50.push_back(pct(en, 0.5)), e90.push_back(pct(en, 0.9)), emax.push_back(pct(en, 1.0));
-      unc.push_back(ms * 1e3 - (tend - t0) * 1e-3);
+      unc.push_back(us - (tend - t0) * 1e-3);
       std::map<unsigned long long, int> per_sm;
       for (int b = 0; b < blocks; ++b) ++per_sm[t[b * 5 + 4]];
       by_load.clear();

@@ -25,17 +25,20 @@
 //    x or on a barrier before its loop, and K has no limit. Against x copied whole per block
 //    (H100, thirty-fourth session, docs/quant.md): 25 of 28 cells (four widths, seven layers, N = 1)
 //    1-7% faster, the 8192-row layers (512 blocks, 1.29 waves) 4-10% slower.
-//  * Or, where the planner asks (LowbitPlan::gemv_ring, lowbit_mm.cu's gemv_ring_slots: 4 bits on
-//    layers of at least a wave, 1 and 2 bits with groups of 64), each warp streams through a ring
+//  * Or, where the planner asks (LowbitPlan::gemv_ring, lowbit_mm.cu's gemv_ring_slots: 1, 2 and 4
+//    bits), each warp streams through a ring
 //    of two shared-memory slots instead: a stage's 16 rows of weights (2 KB at 4 bits), their
 //    (scale, zero) words and its x slice come in one cp.async group, the lanes dividing the copies
 //    (a (scale, zero) word once a warp, not once for each of the 4 lanes that use it), and the
 //    lanes read their fragment words back from the slot (rows XOR-swizzled so that one
 //    wavefront's reads fall on distinct banks, gemv_ring_piece).
-//    No stage waits in registers (52 at 4 bits instead of 80: 4 resident blocks instead of 3),
+//    No stage waits in registers (64 at 4 bits instead of 80: 4 resident blocks instead of 3),
 //    and at 1 and 2 bits with two groups a chunk, bound by instruction issue, the scale loads
-//    were ~65 of a stage's ~384 instructions (2-bit g64, thirty-third session). H100, N = 1 (docs/quant.md, thirty-sixth session): 2-bit g64
-//    28672x8192 39.1 -> 33.6 us, 4-bit 8192x28672 49.2 -> 47.0. The ring has no split-tail variant.
+//    were ~65 of a stage's ~384 instructions (2-bit g64, thirty-third session). A lane's copy and
+//    read addresses are computed once and kept in registers (thirty-seventh session: a 4-bit
+//    step 415 -> 320 instructions). H100, N = 1 (docs/quant.md, thirty-sixth and thirty-seventh
+//    sessions): 2-bit g64 28672x8192 39.1 -> 33.6 us, 4-bit 8192x28672 49.2 -> 46.8, 2-bit g128
+//    8192x28672 36.1 -> 29.9. The ring has no split-tail variant.
 //  * Zero points as in the fused kernel: the A fragments hold q - zi exactly, and a segment's
 //    fractional rest z - zi (HQQ) is applied on the accumulator through the segment's sum of x,
 //    which the warp sums from its slice when the launch needs it.
@@ -58,6 +61,10 @@ constexpr int kGemvRows = 16;
 // 80 registers: the stage in flight and the one computed. With 4 resident blocks (64 registers)
 // the prefetch spilled at 4 bits; without it, 4 blocks measured slower than this (the probe).
 constexpr int kGemvMinBlocks = 3;
+// The ring path at 4 bits: 4 resident blocks (at most 64 registers). It took 52 before its lane
+// addresses were kept in registers (RingLane, below), 66 after without this cap.
+template <int BITS, int kRing>
+constexpr int kGemvMinBlocksFor = kRing > 0 && BITS == 4 ? 4 : kGemvMinBlocks;
 // The (width, scale groups per 128-column chunk) pairs the GEMV is built for: those whose stage,
 // the lane's words of rows g and g + 8 and their (scale, zero) pairs, takes at most 20 registers,
 // as 4-bit g128 does (16 words + 4 pairs; with 2 groups a chunk its stage in flight spilled 16
@@ -105,6 +112,15 @@ __host__ __device__ constexpr int gemv_ring_piece(int i) {
   const int f = BITS == 8 ? (row & 1) : BITS == 4 ? (row & 1) << 2 : BITS == 2 ? ((row >> 1) & 1) << 1 : (row >> 2) & 1;
   return row * P + (c ^ f);
 }
+// Whether moving n pieces on moves the swizzled piece n on as well, for every piece of a stage's
+// 16 rows (the ring path computes a lane's offsets once from that).
+template <int BITS>
+__host__ __device__ constexpr bool gemv_ring_piece_shifts(int n) {
+  constexpr int kPieces = kGemvRows * chunks_per_stage<BITS>() * kChunk * BITS / 8 / 16;
+  for (int i = 0; i + n < kPieces; ++i)
+    if (gemv_ring_piece<BITS>(i + n) != gemv_ring_piece<BITS>(i) + n) return false;
+  return true;
+}
 // A flag fixed at compile time that converts to bool in device code (std::bool_constant's
 // conversion is host-only without --expt-relaxed-constexpr).
 template <bool V>
@@ -118,7 +134,7 @@ struct Fixed {
 // kRing: 0 keeps a stage in flight in registers (above); R >= 2 gives each warp a shared-memory
 // ring of R stage slots (weights, scales and x of a stage, one cp.async group), R - 1 in flight.
 template <bool kBF16, int BITS, int NG, bool kTail, int kRing>
-__global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kernel(const LowbitArgs args) {
+__global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)) lowbit_gemv_kernel(const LowbitArgs args) {
   static_assert(gemv_supported(BITS, NG), "a stage in at most 20 registers");
   static_assert(kRing == 0 || kRing >= 2, "a ring of at least two slots");
   constexpr int U = chunks_per_stage<BITS>();
@@ -211,49 +227,90 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     extern __shared__ __align__(16) unsigned char ring_smem[];
     ring = ring_smem + warp * kRing * kSlotBytes;
   }
-  // Stage st's weights and scales, and its x slice, into the slot at d (no commit).
-  auto copy_w = [&](unsigned char* d, const int st) {
-    const unsigned char* src = wblock + static_cast<int64_t>(st) * (64 * kRowBytes);
+  // A lane's pieces, (scale, zero) words and x piece sit at the same offsets of every slot and
+  // stage, so their addresses are computed once, here, and the steps are unrolled over the slots,
+  // which makes a slot's offsets immediates. Computed in the copies, they were redone in every
+  // step, with the slot's offset, the row block's base and the swizzles: a 4-bit step took 415
+  // instructions, now 320 (sm_90a SASS, fp16; docs/quant.md, thirty-seventh session).
+  // Piece i of the stage's rows sits at gemv_ring_piece(i), and piece i + 32 k (the lane's k-th)
+  // 32 k pieces after it.
+  constexpr int kPieces = kStageBytes / 16;
+  static_assert(kPieces % 32 == 0 && gemv_ring_piece_shifts<BITS>(32),
+                "a lane's pieces of a stage lie 32 pieces apart in the slot");
+  constexpr int kSzCopies = kGemvRows * kSzWords;  // (scale, zero) words of a stage, a lane each
+  constexpr int kSzPerLane = (kSzCopies + 31) / 32;
+  constexpr int kReads = BITS >= 4 ? BITS / 4 : 1;  // a row's 16-byte reads a chunk (or one smaller)
+  struct RingLane {
+    uint32_t ring;                      // the warp's ring (shared address)
+    uint32_t wdst;                      // the lane's first piece in slot 0
+    const unsigned char* wsrc;          // and in stage 0
+    const char* xsrc;                   // its x piece in stage 0
+    const uint32_t* szsrc[kSzPerLane];  // (scale, zero) word lane + 32 k: its row's (rows past M read row M - 1's, as szrow)
+    int szcol[kSzPerLane];              // and its segment's first column in a stage
+    int rd[U][kReads];                  // row g's read i of chunk u in a slot (row g + 8's: 8 rows on)
+  } ln{};
+  if constexpr (kRing > 0) {  // (the register path's code stays as it was)
+    ln.ring = ptx::smem_addr(ring);
+    ln.wdst = ptx::keep(ln.ring + 16 * gemv_ring_piece<BITS>(lane));
+    ln.wsrc = ptx::keep(wblock + 16 * lane);
+    ln.xsrc = ptx::keep(static_cast<const char*>(args.x) + 16 * lane);
 #pragma unroll
-    for (int i = lane; i < kStageBytes / 16; i += 32) ptx::cp_async_cg_16(d + 16 * gemv_ring_piece<BITS>(i), src + 16 * i);
+    for (int k = 0; k < kSzPerLane; ++k) {
+      const int i = lane + 32 * k, r = i / kSzWords, j = i % kSzWords;
+      ln.szsrc[k] = ptx::keep(static_cast<const uint32_t*>(args.scale_zero) +
+                              static_cast<int64_t>(min(row0 + r, args.m - 1)) * args.groups);
+      ln.szcol[k] = static_cast<int>(ptx::keep(j * (kChunk / NG)));
+    }
 #pragma unroll
-    for (int i = lane; i < kGemvRows * kSzWords; i += 32) {
-      const int r = i / kSzWords, j = i % kSzWords;  // rows past M read row M - 1's, as szrow
-      ptx::cp_async_ca_4(d + kStageBytes + 4 * i, static_cast<const uint32_t*>(args.scale_zero) +
-                                                     static_cast<int64_t>(min(row0 + r, args.m - 1)) * args.groups +
-                                                     group_of(st, j));
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int i = 0; i < kReads; ++i) {
+        const int byte = g * kRowBytes + u * kChunkBytes + 4 * BITS * t;
+        ln.rd[u][i] = static_cast<int>(ptx::keep(16 * gemv_ring_piece<BITS>(byte / 16 + i) + (BITS >= 4 ? 0 : byte % 16)));
+      }
+    }
+  }
+  // Stage st's weights and scales, and its x slice, into slot `slot` (no commit).
+  auto copy_w = [&](const int slot, const int st) {
+    const unsigned char* src = ln.wsrc + static_cast<int64_t>(st) * (64 * kRowBytes);
+#pragma unroll
+    for (int k = 0; k < kPieces / 32; ++k) ptx::cp_async_cg_16(ln.wdst + slot * kSlotBytes + 512 * k, src + 512 * k);
+#pragma unroll
+    for (int k = 0; k < kSzPerLane; ++k) {
+      if (kSzCopies % 32 == 0 || lane + 32 * k < kSzCopies)  // (the segment's scale group: group_of)
+        ptx::cp_async_ca_4(ln.ring + slot * kSlotBytes + kStageBytes + 4 * (lane + 32 * k),
+                           ln.szsrc[k] + min((st * kCols + ln.szcol[k]) >> args.group_shift, args.groups - 1));
     }
   };
   constexpr int kSlotX = kStageBytes + 4 * kGemvRows * kSzWords;  // the x slice's offset in a slot
-  auto copy_x = [&](unsigned char* d, const int st) {
-    if (lane < kXLanes) ptx::cp_async_cg_16(d + kSlotX + 16 * lane, static_cast<const char*>(args.x) + st * kXBytes + 16 * lane);
+  auto copy_x = [&](const int slot, const int st) {
+    if (lane < kXLanes) ptx::cp_async_cg_16(ln.ring + slot * kSlotBytes + kSlotX + 16 * lane, ln.xsrc + st * kXBytes);
   };
   // The lane's words of a slot, as `load` takes them from global memory.
+  static_assert(gemv_ring_piece_shifts<BITS>(8 * kRowBytes / 16), "rows g and g + 8 swizzle alike");
   auto read_slot = [&](Stage& s, const int slot) {
     const unsigned char* b = ring + slot * kSlotBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = g + 8 * h;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         uint32_t* d = s.w[h] + u * BITS;
-        const int byte = r * kRowBytes + u * kChunkBytes + 4 * BITS * t;
         if constexpr (BITS >= 4) {
 #pragma unroll
           for (int i = 0; i < BITS / 4; ++i) {
-            const uint4 v = *reinterpret_cast<const uint4*>(b + 16 * gemv_ring_piece<BITS>(byte / 16 + i));
+            const uint4 v = *reinterpret_cast<const uint4*>(b + ln.rd[u][i] + h * 8 * kRowBytes);
             d[4 * i] = v.x, d[4 * i + 1] = v.y, d[4 * i + 2] = v.z, d[4 * i + 3] = v.w;
           }
         } else if constexpr (BITS == 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(b + 16 * gemv_ring_piece<BITS>(byte / 16) + byte % 16);
+          const uint2 v = *reinterpret_cast<const uint2*>(b + ln.rd[u][0] + h * 8 * kRowBytes);
           d[0] = v.x, d[1] = v.y;
         } else {
-          d[0] = *reinterpret_cast<const uint32_t*>(b + 16 * gemv_ring_piece<BITS>(byte / 16) + byte % 16);
+          d[0] = *reinterpret_cast<const uint32_t*>(b + ln.rd[u][0] + h * 8 * kRowBytes);
         }
       }
 #pragma unroll
       for (int j = 0; j < kSzWords; ++j)
-        s.sz[h][j] = reinterpret_cast<const uint32_t*>(b + kStageBytes)[r * kSzWords + j];
+        s.sz[h][j] = reinterpret_cast<const uint32_t*>(b + kStageBytes)[(g + 8 * h) * kSzWords + j];
     }
   };
 
@@ -277,13 +334,13 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
     // their x: 2 (R - 1) groups; every step then adds one and waits for all but R - 2.
 #pragma unroll
     for (int i = 0; i < kRing - 1; ++i) {
-      if (first + warp + kGemvWarps * i < end) copy_w(ring + i * kSlotBytes, first + warp + kGemvWarps * i);
+      if (first + warp + kGemvWarps * i < end) copy_w(i, first + warp + kGemvWarps * i);
       ptx::cp_async_commit_group();
     }
     ptx::griddep_wait();
 #pragma unroll
     for (int i = 0; i < kRing - 1; ++i) {
-      if (first + warp + kGemvWarps * i < end) copy_x(ring + i * kSlotBytes, first + warp + kGemvWarps * i);
+      if (first + warp + kGemvWarps * i < end) copy_x(i, first + warp + kGemvWarps * i);
       ptx::cp_async_commit_group();
     }
   }
@@ -395,21 +452,25 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) lowbit_gemv_kern
       }
     } else {
       // Slot `slot` holds stage st; the slot before it (computed by the last step, read by every
-      // lane before this step's __syncwarp) takes stage st + 8 (R - 1).
-      int slot = 0;
-      for (int st = first + warp; st < end; st += kGemvWarps) {
-        ptx::cp_async_wait_group<kRing - 2>();
-        __syncwarp();
-        const int nx = st + kGemvWarps * (kRing - 1), free_slot = slot == 0 ? kRing - 1 : slot - 1;
-        if (nx < end) {
-          copy_w(ring + free_slot * kSlotBytes, nx);
-          copy_x(ring + free_slot * kSlotBytes, nx);
+      // lane before this step's __syncwarp) takes stage st + 8 (R - 1). The warp's k-th stage is
+      // in slot k % R: unrolled over the slots, so that each step's slot is a constant.
+      for (int st0 = first + warp; st0 < end; st0 += kRing * kGemvWarps) {
+#pragma unroll
+        for (int slot = 0; slot < kRing; ++slot) {
+          const int st = st0 + slot * kGemvWarps;
+          if (st >= end) break;
+          ptx::cp_async_wait_group<kRing - 2>();
+          __syncwarp();
+          const int nx = st + kGemvWarps * (kRing - 1), free_slot = slot == 0 ? kRing - 1 : slot - 1;
+          if (nx < end) {
+            copy_w(free_slot, nx);
+            copy_x(free_slot, nx);
+          }
+          ptx::cp_async_commit_group();
+          Stage s;
+          read_slot(s, slot);
+          compute(s, ring + slot * kSlotBytes + kSlotX, sums_arg);
         }
-        ptx::cp_async_commit_group();
-        Stage s;
-        read_slot(s, slot);
-        compute(s, ring + slot * kSlotBytes + kSlotX, sums_arg);
-        slot = slot + 1 == kRing ? 0 : slot + 1;
       }
     }
   };

@@ -68,32 +68,24 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
   });
 }
 
-// The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots, or 0,
-// the registers, by width, groups and the layer's row blocks against the register kernel's slots
-// (SMs x its resident blocks). The planner runs the ring only where the tail rows are not split
-// (the ring has no split variant: at 2-bit g64 8192x28672 it ran 41.3 us with the split against
-// the registers' 38.2). SPINFER_LOWBIT_RING=0 / 2 forces either, the ring without the split.
-// Measured, H100, one process, least of 2 rounds, N = 1, us, registers -> ring (thirty-sixth
-// session, docs/quant.md):
-//  * 1 and 2 bits with groups of 64 (two a chunk): a slot's 16 rows of (scale, zero) words come
-//    in 2 copies a lane instead of each lane loading its rows' 8, 4 lanes the same words. 2-bit g64
-//    28672x8192 39.1 -> 33.6, 14336x4096 14.3 -> 13.6, 4096x14336 13.2 -> 12.1, 4096x4096 7.4 ->
-//    6.9, 28672x4096 23.0 -> 20.9 (geomean of seven layers 3.32 -> 3.53x cuBLAS); 1-bit g64 3.44
-//    -> 3.53x (14336x4096 13.6 -> 12.8, the others flat).
-//  * 4 bits where the row blocks fill a wave of the register kernel's slots: the ring holds no
-//    stage in registers (52 instead of 80), so 4 blocks an SM are resident instead of 3. g128
-//    28672x8192 47.6 -> 47.1, 8192x28672 (one wave of the ring's 528 slots, the registers' split
-//    tail) 49.2 -> 47.0, 14336x4096 16.0 -> 15.7, 28672x4096 26.0 -> 25.6; under a wave it lost
-//    (g256 4096x4096 7.6 -> 8.0, 6144x4096 9.1 -> 9.3).
-//  * Not at 8 bits (geomean 1.86 -> 1.82x; 28672x8192 82.4 -> 85.7), 1 and 2 bits with one group a
-//    chunk (1-bit g128 3.94 -> 3.79x, 2-bit g128 3.67 -> 3.64x).
-// `forced`: set where SPINFER_LOWBIT_RING chose.
-int gemv_ring_slots(int bits, int ng, int row_blocks, int register_slots, bool* forced) {
+// The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots at 1,
+// 2 and 4 bits, the registers (0) at 8. The planner runs the ring only where the tail rows are not
+// split (the ring has no split variant). SPINFER_LOWBIT_RING=0 / 2 forces either, the ring without
+// the split. `forced`: set where SPINFER_LOWBIT_RING chose.
+// Measured, H100, one process a width, N = 1, seven layers, geomean x cuBLAS registers -> ring
+// (thirty-seventh session, once the ring's per-lane addresses stayed in registers; a second round
+// agreed within 0.7%; docs/quant.md):
+//  * 4-bit g128 2.87 -> 2.93, g256 2.96 -> 3.01. Under a wave of row blocks, where the thirty-sixth
+//    session's ring lost, it now ties or gains (4096x14336 15.5 -> 15.1 us, 4096x4096 7.8 -> 7.7);
+//    8192x28672 runs unsplit in one wave of the ring's 528 slots (49.1 -> 46.8 us).
+//  * 1 and 2 bits: g64 3.41 -> 3.69 (1-bit), 3.30 -> 3.61 (2-bit); g128 3.92 -> 4.03 (1-bit),
+//    3.65 -> 3.89 (2-bit), every layer faster. Before, with one group a chunk the ring lost.
+//  * Not at 8 bits: 1.85 -> 1.82 (28672x8192 82.6 -> 84.6 us).
+int gemv_ring_slots(int bits, bool* forced) {
   const char* env = std::getenv("SPINFER_LOWBIT_RING");
   *forced = env != nullptr;
   if (env) return std::atoi(env) == kGemvRingSlots ? kGemvRingSlots : 0;
-  if (bits == 4) return row_blocks >= register_slots ? kGemvRingSlots : 0;
-  return bits <= 2 && ng == 2 ? kGemvRingSlots : 0;
+  return bits <= 4 ? kGemvRingSlots : 0;
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
@@ -311,7 +303,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     // The shared-memory ring where it pays (gemv_ring_slots) and its own resident blocks leave no
     // tail rows to split; forced (SPINFER_LOWBIT_RING=2), it runs without the split.
     bool forced = false;
-    if (const int ring = gemv_ring_slots(bits, p.ng, p.row_blocks, sms * resident, &forced); ring > 0) {
+    if (const int ring = gemv_ring_slots(bits, &forced); ring > 0) {
       const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring);
       if (forced || tail_for(sms * ring_resident).splits <= 1) {
         p.gemv_ring = ring, resident = ring_resident, t = TailSplit{0, 0, 0};

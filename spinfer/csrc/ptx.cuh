@@ -68,6 +68,21 @@ __device__ __forceinline__ uint32_t zero_after(uint32_t v) {
   return z;
 }
 
+// `v`, as a value the compiler cannot recompute: it stays in a register. Without it, values
+// derived from the thread index are recomputed where they are used, inside loops too (the low-bit
+// GEMV's per-lane ring offsets). Not volatile, so that an unused one is still removed.
+__device__ __forceinline__ uint32_t keep(uint32_t v) {
+  uint32_t r;
+  asm("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ const T* keep(const T* p) {
+  uint64_t r;
+  asm("mov.b64 %0, %1;" : "=l"(r) : "l"(reinterpret_cast<uint64_t>(p)));
+  return reinterpret_cast<const T*>(r);
+}
+
 // Read-only global loads (ld.global.nc): `stream_*` for data read once (the low-bit GEMV's weights:
 // L1::no_allocate keeps them from evicting what L1 holds for the block), `ldg_b32` for small
 // values the neighbouring warps read again (scales). Volatile for the streamed ones: they are

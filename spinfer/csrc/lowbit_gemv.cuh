@@ -25,8 +25,8 @@
 //    x or on a barrier before its loop, and K has no limit. Against x copied whole per block
 //    (H100, thirty-fourth session, docs/quant.md): 25 of 28 cells (four widths, seven layers, N = 1)
 //    1-7% faster, the 8192-row layers (512 blocks, 1.29 waves) 4-10% slower.
-//  * Or, where the planner asks (LowbitPlan::gemv_ring, lowbit_mm.cu's gemv_ring_slots: 1, 2 and 4
-//    bits), each warp streams through a ring
+//  * Or, where the planner asks (LowbitPlan::gemv_ring, lowbit_mm.cu's gemv_ring_slots: 1 and 2
+//    bits, 4 bits on layers of at least a wave), each warp streams through a ring
 //    of two shared-memory slots instead: a stage's 16 rows of weights (2 KB at 4 bits), their
 //    (scale, zero) words and its x slice come in one cp.async group, the lanes dividing the copies
 //    (a (scale, zero) word once a warp, not once for each of the 4 lanes that use it), and the

@@ -181,9 +181,10 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
   };
   // The scale group of stage st's segment j (both loaders). Group sizes are powers of two;
   // per-channel groups come with a shift that gives 0, and padding columns clamp to the last group.
-  auto group_of = [&](const int st, const int j) {
-    return min((st * kCols + j * (kChunk / NG)) >> args.group_shift, args.groups - 1);
+  auto group_at = [&](const int st, const int col) {  // the group of column col of stage st
+    return min((st * kCols + col) >> args.group_shift, args.groups - 1);
   };
+  auto group_of = [&](const int st, const int j) { return group_at(st, j * (kChunk / NG)); };
 
   // `after`: a zero that orders the loads after a use of the stage before (run, below).
   auto load = [&](Stage& s, const int st, const uint32_t after = 0u) {
@@ -277,9 +278,9 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
     for (int k = 0; k < kPieces / 32; ++k) ptx::cp_async_cg_16(ln.wdst + slot * kSlotBytes + 512 * k, src + 512 * k);
 #pragma unroll
     for (int k = 0; k < kSzPerLane; ++k) {
-      if (kSzCopies % 32 == 0 || lane + 32 * k < kSzCopies)  // (the segment's scale group: group_of)
+      if (kSzCopies % 32 == 0 || lane + 32 * k < kSzCopies)
         ptx::cp_async_ca_4(ln.ring + slot * kSlotBytes + kStageBytes + 4 * (lane + 32 * k),
-                           ln.szsrc[k] + min((st * kCols + ln.szcol[k]) >> args.group_shift, args.groups - 1));
+                           ln.szsrc[k] + group_at(st, ln.szcol[k]));
     }
   };
   constexpr int kSlotX = kStageBytes + 4 * kGemvRows * kSzWords;  // the x slice's offset in a slot

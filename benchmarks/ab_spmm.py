@@ -49,17 +49,17 @@ def main():
     compare(configs, cases, dev, a.rounds)
 
 
-def build_cases(shapes, ns, dev, prepare):
-    """(label, cuBLAS call, op call) per shape and N: a random fp16 weight per shape, handed to
-    prepare(w), which may prune it in place and returns the op as a function of x; cuBLAS
-    multiplies by the weight as prepare left it."""
+def build_cases(shapes, ns, dev, prepare, dtype=torch.float16):
+    """(label, cuBLAS call, op call) per shape and N: a random weight of `dtype` per shape, handed
+    to prepare(w), which may prune it in place and returns the op as a function of x; cuBLAS
+    multiplies by the weight as prepare left it, in the same dtype."""
     cases = []
     for shape in shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
-        w = torch.randn(m, k, device=dev).half()
+        w = torch.randn(m, k, device=dev).to(dtype)
         op = prepare(w)
         for n in (int(v) for v in ns.split(",")):
-            x = torch.randn(n, k, device=dev).half()
+            x = torch.randn(n, k, device=dev).to(dtype)
             cases.append((f"{m:>5}x{k:<5} N={n:<3}", lambda x=x, w=w: F.linear(x, w), lambda x=x, op=op: op(x)))
     return cases
 

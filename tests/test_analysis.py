@@ -155,9 +155,9 @@ def test_bench_front_door(tmp_path, capsys):
         bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--steps", "2",
                     "--variants", "dense,fast+tuned"])
     assert bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--steps", "2",
-                       "--variants", "dense,sparse50,w4", "--fused"]) == 0
+                       "--variants", "dense,sparse50,w4,w2g64", "--fused"]) == 0
     out = capsys.readouterr().out
-    assert "fused qkv and gate_up" in out and "w4" in out
+    assert "fused qkv and gate_up" in out and "w4" in out and "w2g64" in out
     if not torch.cuda.is_available():
         assert bench_main(["lowbit", "--quick"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
     assert bench_main(["compression", "--shape", "12by4"]) == 2

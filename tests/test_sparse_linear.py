@@ -315,3 +315,13 @@ def test_autotune_timing_survives_one_disturbed_median(monkeypatch):
     times = layer._time_candidates(4)
     assert ran == list(layer.candidates()) * timing.ROUNDS
     assert times == {kern: 1e-4 for kern in layer.candidates()}
+
+
+def test_sparsify_passes_the_quant_group_size():
+    model = MLP().half()
+    report = spinfer.sparsify(model, 0.0, method="magnitude", quant="w2", group_size=64, policy="lowbit",
+                              progress=False)
+    assert [r["format"] for r in report] == ["lowbit", "lowbit"]
+    for name in ("up", "down"):
+        q = getattr(model, name).weight_object()
+        assert (q.bits, q.group_size) == (2, 64)

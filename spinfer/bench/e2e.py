@@ -1,6 +1,6 @@
 """Greedy decoding through a stack of Llama-shaped decoder layers, dense fp16 against the same
 stack sparsified (50%, 70%, magnitude; "sparseNN" with policy "auto", "spmmNN" with every
-layer forced to TCA-BME) and quantized to 4-bit g128. A "+tuned" variant ("sparse50+tuned",
+layer forced to TCA-BME) and quantized to 4-bit g128 ("w4"; "w8", "w2", and "w2g64" for other groups, likewise). A "+tuned" variant ("sparse50+tuned",
 "w4+tuned") first measures each layer's split-K factor at the batch (spinfer.tuning).
 
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 import time
 from collections import Counter
@@ -258,8 +259,10 @@ def build_variant(base, name, batch):
         spinfer.sparsify(model, int(kind[6:]) / 100, method="magnitude", progress=False)
     elif kind.startswith("spmm"):  # every layer TCA-BME and SpMM at every N, whatever the cost model says
         spinfer.sparsify(model, int(kind[4:]) / 100, method="magnitude", policy="sparse", progress=False)
-    elif kind == "w4":
-        spinfer.sparsify(model, 0.0, method="magnitude", quant="w4", policy="lowbit", progress=False)
+    elif re.fullmatch(r"w[248](g\d+)?", kind):  # every layer low-bit, group 128 or gG, no pruning
+        quant, _, group = kind.partition("g")
+        spinfer.sparsify(model, 0.0, method="magnitude", quant=quant, group_size=int(group or 128), policy="lowbit",
+                         progress=False)
     else:
         raise ValueError(f"unknown variant {name!r}")
     if tuned:

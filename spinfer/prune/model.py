@@ -64,14 +64,16 @@ def _input_norms(model: nn.Module, layers: Sequence[tuple], calib: Iterable) -> 
 
 
 def sparsify(model: nn.Module, sparsity: float = 0.5, method: str = "wanda", calib: Optional[Iterable] = None, *,
-             quant: Optional[str] = None, include=None, exclude=("lm_head",), nm: Optional[tuple] = None,
-             per_row: Optional[bool] = None, policy: str = "auto", progress: bool = True) -> List[dict]:
+             quant: Optional[str] = None, group_size: Optional[int] = 128, include=None, exclude=("lm_head",),
+             nm: Optional[tuple] = None, per_row: Optional[bool] = None, policy: str = "auto",
+             progress: bool = True) -> List[dict]:
     """Prune every eligible ``nn.Linear`` of ``model`` and replace it with a
     :class:`~spinfer.nn.SparseLinear`, in place. Returns one report row per layer.
 
     ``method``: ``"magnitude"`` (|W|, per layer unless ``per_row``) or ``"wanda"`` (|W| times the
     input-activation norms collected from ``calib`` batches, compared per output row as in the
-    paper). ``nm=(2, 4)`` prunes to an N:M pattern instead of ``sparsity``. ``include`` /
+    paper). ``nm=(2, 4)`` prunes to an N:M pattern instead of ``sparsity``. ``quant`` and
+    ``group_size`` (None: per channel) as for :meth:`SparseLinear.from_weight`. ``include`` /
     ``exclude``: substrings or globs of module names.
     """
     from ..nn.sparse_linear import SparseLinear
@@ -111,7 +113,7 @@ def sparsify(model: nn.Module, sparsity: float = 0.5, method: str = "wanda", cal
         scores = wanda_scores(w, norms[name]) if method == "wanda" else w.abs().float()
         keep = score_mask(scores, sparsity, per_row=per_row, nm=nm)
         pruned = w.masked_fill(~keep, 0.0)
-        layer = SparseLinear.from_weight(pruned, lin.bias, quant=quant, policy=policy)
+        layer = SparseLinear.from_weight(pruned, lin.bias, quant=quant, group_size=group_size, policy=policy)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         report.append({

@@ -1,0 +1,188 @@
+"""A/B of launch configurations end to end, in one process: the decode step of the Llama-shaped
+stack (spinfer/bench/e2e.py) captured once per (variant, configuration) as a CUDA graph, with the
+configuration's SPINFER_* overrides set while it is planned and captured (ab_spmm.apply), then all
+graphs replayed round by round in a shuffled order. Separate processes differed by 1-2% between
+runs of one build, as much as the effects measured (docs/quant.md, thirty-seventh session).
+
+    python benchmarks/ab_e2e.py --variants w4,w2g64 --configs auto,LOWBIT_RING=0,LOWBIT_RING=2 \\
+        [--dims 8192,28672,64,8] [--batch 1] [--layers 4] [--steps 64] [--rounds 7] \\
+        [--profile [--dump kernels.json]] [--soak 4]
+
+Prints each graph's tokens/s (the best and the median round) and its ratio to dense. A config item
+NODES=P sets the preferred shared-memory carveout P (percent) on every kernel node of the captured
+graph, torch's included, before it is instantiated (the driver API through ctypes). --profile
+lists each graph's kernels with their durations and the idle gaps before them (torch.profiler);
+--soak replays each graph for a while, printing wall-clock times to line up with a clock log
+(nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50).
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+import spinfer
+from spinfer.bench.e2e import Stack, build_variant
+
+from ab_spmm import apply  # benchmarks/ is on sys.path when this script runs
+
+
+def set_node_carveout(graph, percent):
+    """Every kernel node of a captured, not yet instantiated graph gets this preferred shared-memory
+    carveout (CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 14); returns how many."""
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    g = ctypes.c_void_p(graph.raw_cuda_graph())
+    n = ctypes.c_size_t(0)
+    assert cu.cuGraphGetNodes(g, None, ctypes.byref(n)) == 0
+    nodes = (ctypes.c_void_p * n.value)()
+    assert cu.cuGraphGetNodes(g, nodes, ctypes.byref(n)) == 0
+    value = (ctypes.c_ubyte * 64)()
+    ctypes.c_uint.from_buffer(value).value = percent
+    done = 0
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        assert cu.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+        if kind.value == 0:  # CU_GRAPH_NODE_TYPE_KERNEL
+            assert cu.cuGraphKernelNodeSetAttribute(ctypes.c_void_p(node), 14, value) == 0
+            done += 1
+    return done
+
+
+def capture(model, x, pos, nodes=None):
+    """The decode step (its output feeds the next step) as a CUDA graph, after a warm-up that
+    builds the kernels and makes the policy's choices under the current environment."""
+    def step():
+        x.copy_(model(x, pos))
+        pos.add_(1)
+
+    with torch.no_grad():
+        for _ in range(3):
+            step()
+        pos.zero_()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph(keep_graph=nodes is not None)
+        with torch.cuda.graph(g):
+            step()
+        if nodes is not None:
+            print(f"carveout {nodes} on {set_node_carveout(g, nodes)} kernel nodes")
+            g.instantiate()
+    return g
+
+
+def kernel_table(graph, pos, steps=8, dump=None):
+    """Per kernel name, over `steps` replays of the graph (torch.profiler's CUDA activity): calls
+    per step, mean duration and mean idle gap before it (its start less the previous kernel's end),
+    us; then the step's summed durations and gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pos.zero_()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if dump is not None:  # every kernel's (name, start, end), us
+        dump.append([(e.name[:120], e.time_range.start, e.time_range.end) for e in kernels])
+    rows, prev_end = {}, None
+    for e in kernels:
+        name = e.name.split("(")[0].split("<")[0][-48:]
+        r = rows.setdefault(name, [0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += e.time_range.end - e.time_range.start
+        if prev_end is not None:
+            r[2] += max(0.0, e.time_range.start - prev_end)
+        prev_end = e.time_range.end
+    out = [f"{'kernel':<48} {'/step':>5} {'us':>7} {'gap':>6}"]
+    for name, (n, dur, gap) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        out.append(f"{name:<48} {n / steps:>5.1f} {dur / n:>7.2f} {gap / n:>6.2f}")
+    out.append(f"{'step: kernels / gaps':<48} {'':>5} {sum(r[1] for r in rows.values()) / steps:>7.1f} "
+               f"{sum(r[2] for r in rows.values()) / steps:>6.1f}")
+    return "\n".join(out)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="w4")
+    p.add_argument("--configs", default="auto,LOWBIT_RING=0,LOWBIT_RING=2")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dims", default="4096,14336,32,8", help="hidden, MLP, heads, KV heads (Llama-70B: 8192,28672,64,8)")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--profile", action="store_true", help="also each graph's kernels, durations and gaps")
+    p.add_argument("--dump", default="", help="with --profile: every kernel's name, start and end to this JSON")
+    p.add_argument("--soak", type=float, default=0.0,
+                   help="then replay each graph for this many seconds, printing wall-clock start and end (to "
+                        "line up with a clock and power log, e.g. nvidia-smi -lms)")
+    a = p.parse_args()
+    spinfer.build.load_extension()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hidden, inter, heads, kv = (int(v) for v in a.dims.split(","))
+    base = Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, a.batch, fused=True).to(dev, torch.float16)
+    x = torch.randn(a.batch, 1, hidden, device=dev, dtype=torch.float16)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    graphs = {"dense": capture(base, x, pos)}
+    models = []  # each graph reads its model's weights: all stay alive
+    for name in a.variants.split(","):
+        model = build_variant(base, name, a.batch)
+        models.append(model)
+        for config in a.configs.split(","):
+            items = config.split("+")
+            nodes = next((int(i[6:]) for i in items if i.startswith("NODES=")), None)
+            apply("+".join(i for i in items if not i.startswith("NODES=")) or "auto")
+            graphs[f"{name} {config}"] = capture(model, x, pos, nodes)
+    apply("auto")
+    times = {label: [] for label in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(a.rounds):
+        order = list(graphs)
+        random.shuffle(order)
+        for label in order:
+            pos.zero_()
+            graphs[label].replay()  # one warm replay: the previous graph's weights left L2
+            pos.zero_()
+            start.record()
+            for _ in range(a.steps):
+                graphs[label].replay()
+            end.record()
+            end.synchronize()
+            times[label].append(start.elapsed_time(end) / 1e3)
+    print(f"{torch.cuda.get_device_name(dev)}: {a.layers} fused layers ({a.dims}), batch {a.batch}, {a.steps} steps, "
+          f"{a.rounds} shuffled rounds")
+    dense = min(times["dense"])
+    print(f"{'graph':<32} {'tokens/s best':>13} {'median':>9} {'x dense best':>12} {'median':>7}")
+    for label, ts in times.items():
+        best, med = min(ts), statistics.median(ts)
+        rate = a.batch * a.steps
+        print(f"{label:<32} {rate / best:>13.1f} {rate / med:>9.1f} {dense / best:>12.3f} "
+              f"{statistics.median(times['dense']) / med:>7.3f}")
+    for label, g in graphs.items() if a.soak > 0 else ():
+        torch.cuda.synchronize()
+        t0, n = time.time(), 0
+        while time.time() - t0 < a.soak:
+            for _ in range(50):
+                pos.zero_()
+                for _ in range(a.steps):
+                    g.replay()
+            torch.cuda.synchronize()
+            n += 50 * a.steps
+        t1 = time.time()
+        print(f"soak {label!r}: {t0:.3f} .. {t1:.3f}, {a.batch * n / (t1 - t0):.1f} tokens/s (wall)")
+    if a.profile:
+        dumps = {}
+        for label, g in graphs.items():
+            dumps[label] = []
+            print(f"\n== {label}\n{kernel_table(g, pos, dump=dumps[label])}")
+        if a.dump:
+            import json
+            json.dump(dumps, open(a.dump, "w"))
+
+
+if __name__ == "__main__":
+    main()

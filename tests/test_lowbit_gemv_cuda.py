@@ -254,13 +254,15 @@ def test_gemv_tail_rule_on_large_layers(bits):
             assert (plan["tail_splits"] >= 2) == (bits > 1) and plan["gemv_ring"] == 0, plan
 
 
-def ring_rule(bits, row_blocks, register_slots):
-    """lowbit_mm.cu's gemv_ring_slots: the shared-memory ring (2 slots a warp) at 1 and 2 bits, at
-    4 bits where the row blocks fill a wave of the register loader's slots; the registers elsewhere
-    (8 bits, small 4-bit layers)."""
-    if bits == 4:
-        return 2 if row_blocks >= register_slots else 0
-    return 2 if bits <= 2 else 0
+def ring_rule(bits, group, k, row_blocks, register_slots):
+    """lowbit_mm.cu's gemv_ring_slots: the shared-memory ring (2 slots a warp) with groups of 64 at
+    1 and 2 bits, and at 1, 2 and 4 bits on rows of at least 8192 columns whose row blocks fill a
+    wave of the register loader's slots; the registers elsewhere and at 8 bits."""
+    if bits == 8:
+        return 0
+    if bits <= 2 and group == 64:
+        return 2
+    return 2 if k >= 8192 and row_blocks >= register_slots else 0
 
 
 @pytest.mark.parametrize("bits,group", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128)])
@@ -280,11 +282,12 @@ def test_gemv_ring_rule(bits, group, monkeypatch):
             monkeypatch.setenv("SPINFER_LOWBIT_RING", ring)
         return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, group, 0)))
 
-    for m, k in ((28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)):
+    for m, k in ((28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096), (8192, 8192),
+                 (2048, 8192)):
         registers, ring, auto = plan(m, k, "0"), plan(m, k, "2"), plan(m, k)
         assert registers["gemv_ring"] == 0 and ring["gemv_ring"] == 2 and ring["tail_splits"] == 0, (m, k, ring)
         assert ring["resident_blocks"] >= 1 and registers["resident_blocks"] >= 1
-        want = ring_rule(bits, registers["row_blocks"], sms * registers["resident_blocks"])
+        want = ring_rule(bits, group, k, registers["row_blocks"], sms * registers["resident_blocks"])
         if want and tail_rule(ring["row_blocks"], ring["resident_blocks"], k, bits)[1] >= 2:
             want = 0  # the ring would leave tail rows to split
         assert auto["gemv_ring"] == want, (m, k, auto)

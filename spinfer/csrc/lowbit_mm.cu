@@ -68,27 +68,31 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
   });
 }
 
-// The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots at 1
-// and 2 bits, at 4 bits where the row blocks fill a wave of the register loader's slots (SMs x its
-// resident blocks); the registers (0) elsewhere. The planner runs the ring only where the tail rows
-// are not split (the ring has no split variant). SPINFER_LOWBIT_RING=0 / 2 forces either, the ring
-// without the split. `forced`: set where SPINFER_LOWBIT_RING chose.
-// Measured, H100, one process a width, N = 1, seven layers, geomean x cuBLAS registers -> ring
-// (thirty-seventh session, once the ring's per-lane addresses stayed in registers; a second round
-// agreed within 0.7%; docs/quant.md):
-//  * 1 and 2 bits: g64 3.41 -> 3.69 (1-bit), 3.30 -> 3.61 (2-bit); g128 3.92 -> 4.03 (1-bit),
-//    3.65 -> 3.89 (2-bit), every layer faster. Before, with one group a chunk the ring lost.
-//  * 4-bit g128 2.87 -> 2.93, g256 2.96 -> 3.01, tying under a wave (4096x4096 7.8 -> 7.7 us).
-//    But end to end (4 Llama-8B layers, CUDA graphs, PDL, batch 1) registers on every layer ran
-//    2.61x dense against 2.55-2.58x with the ring on gate_up (28672x4096) alone or on all four;
-//    so the ring stays off the layers under a wave, and a lead remains on the others.
-//  * Not at 8 bits: 1.85 -> 1.82 (28672x8192 82.6 -> 84.6 us).
-int gemv_ring_slots(int bits, int row_blocks, int register_slots, bool* forced) {
+// The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots where
+// a 128-column chunk holds two groups (groups of 64 at 1 and 2 bits), and on rows of at least
+// kGemvRingMinK columns whose row blocks fill a wave of the register loader's slots (SMs x its
+// resident blocks), at 1, 2 and 4 bits; the registers (0) elsewhere and at 8 bits. The planner runs
+// the ring only where the tail rows are not split (the ring has no split variant).
+// SPINFER_LOWBIT_RING=0 / 2 forces either, the ring without the split. `forced`: set where
+// SPINFER_LOWBIT_RING chose.
+// Why (H100, docs/quant.md, thirty-seventh and thirty-eighth sessions): alone, one layer at a time,
+// the ring is faster at 1 and 2 bits on every layer (seven layers, N = 1, geomean x cuBLAS
+// registers -> ring: 2-bit g64 3.30 -> 3.61, g128 3.65 -> 3.89) and ties or wins at 4 bits
+// (2.87 -> 2.93). But a decode step captured in a CUDA graph runs every kernel in it slower when
+// the graph holds a ring launch: each kernel's start ~0.16 us later after the one before and the
+// small elementwise kernels ~5% longer (torch.profiler, benchmarks/ab_e2e.py; not the clocks, and
+// not the shared-memory carveout: preferences on every node moved nothing). The ring pays only
+// where it saves more than that on its layers. End to end, same process, batch 1, x dense, registers
+// / ring on every layer: Llama-8B-shaped (4 layers, K = 4096 and 14336) w4 2.54-2.60 / 2.47-2.52,
+// w2 g128 3.27 / 3.08, w2 g64 2.81 / 2.94; Llama-70B-shaped (2 layers, K = 8192 and 28672) w4
+// 3.15 / 3.19, w2 g128 4.31 / 4.61, w2 g64 3.84 / 4.15.
+int gemv_ring_slots(int bits, int k, int ng, int row_blocks, int register_slots, bool* forced) {
   const char* env = std::getenv("SPINFER_LOWBIT_RING");
   *forced = env != nullptr;
   if (env) return std::atoi(env) == kGemvRingSlots ? kGemvRingSlots : 0;
-  if (bits == 4) return row_blocks >= register_slots ? kGemvRingSlots : 0;
-  return bits <= 2 ? kGemvRingSlots : 0;
+  if (bits == 8) return 0;
+  if (bits <= 2 && ng == 2) return kGemvRingSlots;
+  return k >= kGemvRingMinK && row_blocks >= register_slots ? kGemvRingSlots : 0;
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
@@ -306,7 +310,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     // The shared-memory ring where it pays (gemv_ring_slots) and its own resident blocks leave no
     // tail rows to split; forced (SPINFER_LOWBIT_RING=2), it runs without the split.
     bool forced = false;
-    if (const int ring = gemv_ring_slots(bits, p.row_blocks, sms * resident, &forced); ring > 0) {
+    if (const int ring = gemv_ring_slots(bits, kp, p.ng, p.row_blocks, sms * resident, &forced); ring > 0) {
       const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring);
       if (forced || tail_for(sms * ring_resident).splits <= 1) {
         p.gemv_ring = ring, resident = ring_resident, t = TailSplit{0, 0, 0};

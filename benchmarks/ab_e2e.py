@@ -17,6 +17,7 @@ lists each graph's kernels with their durations and the idle gaps before them (t
 """
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -180,8 +181,8 @@ def main():
             dumps[label] = []
             print(f"\n== {label}\n{kernel_table(g, pos, dump=dumps[label])}")
         if a.dump:
-            import json
-            json.dump(dumps, open(a.dump, "w"))
+            with open(a.dump, "w") as f:
+                json.dump(dumps, f)
 
 
 if __name__ == "__main__":

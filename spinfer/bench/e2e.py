@@ -1,7 +1,8 @@
 """Greedy decoding through a stack of Llama-shaped decoder layers, dense fp16 against the same
 stack sparsified (50%, 70%, magnitude; "sparseNN" with policy "auto", "spmmNN" with every
-layer forced to TCA-BME) and quantized to 4-bit g128 ("w4"; "w8", "w2", and "w2g64" for other groups, likewise). A "+tuned" variant ("sparse50+tuned",
-"w4+tuned") first measures each layer's split-K factor at the batch (spinfer.tuning).
+layer forced to TCA-BME) and quantized to 4-bit g128 ("w4"; "w8" and "w2" likewise, "w2g64" with
+groups of 64). A "+tuned" variant ("sparse50+tuned", "w4+tuned") first measures each layer's
+split-K factor at the batch (spinfer.tuning).
 
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
 and grouped-query SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no

@@ -267,7 +267,8 @@ def ring_rule(bits, group, k, row_blocks, register_slots):
 
 @pytest.mark.parametrize("bits,group", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128)])
 def test_gemv_ring_rule(bits, group, monkeypatch):
-    """The planner's loader (gemv_ring_slots) on the issue's and Llama-8B's layers: the ring by
+    """The planner's loader (gemv_ring_slots) on the issue's and Llama-8B's layers and two of 8192
+    columns, one filling a wave and one under it: the ring by
     ring_rule unless its own resident blocks would leave tail rows to split (then the registers and
     their split tail), reported with its resident blocks; SPINFER_LOWBIT_RING=0 / 2 forces either,
     the forced ring without a split. Plans only."""

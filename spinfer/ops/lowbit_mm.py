@@ -171,9 +171,10 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     blocks of 16 rows, ``tile_rows`` 16, its tail rows split where a row block's weights are at least
     80 KiB (128 KiB at 8 bits); 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64;
     ``SPINFER_LOWBIT_GEMV=1|0`` forces it), and the GEMV's loader (``gemv_ring``: 0, each lane's
-    words of a stage straight into registers; 2, each warp's ring of two shared-memory slots, at 4
-    bits on layers whose row blocks fill a wave of the register loader's slots and at 1 and 2
-    bits with groups of 64, never with split tail rows; ``SPINFER_LOWBIT_RING=0|2`` forces it).
+    words of a stage straight into registers; 2, each warp's ring of two shared-memory slots, with
+    groups of 64 at 1 and 2 bits and, at 1, 2 and 4 bits, on rows of at least 8192 columns whose
+    row blocks fill a wave of the register loader's slots; never at 8 bits or with split tail rows;
+    ``SPINFER_LOWBIT_RING=0|2`` forces it).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)

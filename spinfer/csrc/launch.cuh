@@ -24,6 +24,13 @@ inline bool use_pdl(int major) {
   return major >= 9 && !(env && env[0] == '0');
 }
 
+// Whether the kernels stream their weights under L2's evict_first policy (ptx::l2_stream_policy);
+// SPINFER_L2_EVICT_FIRST=0 reads them with the normal policy (A/B runs).
+inline bool use_l2_evict_first() {
+  const char* env = std::getenv("SPINFER_L2_EVICT_FIRST");
+  return !(env && env[0] == '0');
+}
+
 // Whether a device of this compute capability may copy with the sm_90 bulk loader (the SMBD
 // kernel's bitmaps and value runs, the low-bit kernel's weight tiles at 4 and 8 bits);
 // SPINFER_LOADER=cp_async keeps the cp.async loaders sm_80 runs (A/B runs, tests).

@@ -24,6 +24,24 @@ __device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_
   cp_async_cg_16(smem_addr(smem_dst), gmem_src, valid);
 }
 
+// The L2 policy of a weight stream: evict_first, or evict_normal (SPINFER_L2_EVICT_FIRST=0: A/B
+// runs). A decode layer streams more bytes than L2 holds (50 MB on an H100); read with the normal
+// policy they evict everything else L2 held, and every launch of a CUDA graph that holds such a
+// layer then starts ~0.16 us later, from the graph's first kernel on: what the launches read comes
+// from DRAM again (docs/kernels.md, thirty-ninth session). evict_first lines are replaced before
+// normal ones, so the stream recycles its own lines. Used by the SMBD kernel's bulk copies: ptxas
+// 13.0 miscompiled `cp.async.cg ... .L2::cache_hint` in the fused low-bit kernel and the SMBD
+// cp.async loader (its descriptor read from a uniform register it never wrote: an illegal
+// instruction), so the cp.async loaders read without a hint.
+__device__ __forceinline__ uint64_t l2_stream_policy(bool evict_first) {
+  uint64_t policy;
+  if (evict_first)
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  else
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // 16-byte global->shared async copy through L1 (.ca): data that other blocks on the SM read again.
 __device__ __forceinline__ void cp_async_ca_16(uint32_t smem_dst, const void* gmem_src, bool valid = true) {
   const int src_bytes = valid ? 16 : 0;
@@ -229,6 +247,17 @@ __device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gm
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
           smem_addr(smem_dst)),
       "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+// The same for a weight stream, under an L2 policy from l2_stream_policy.
+__device__ __forceinline__ void cp_async_bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                                  uint64_t* bar, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::
+          "r"(smem_addr(smem_dst)),
+      "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
       : "memory");
 #endif
 }

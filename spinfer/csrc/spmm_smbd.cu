@@ -190,7 +190,9 @@ int spmm_smbd_resident_blocks(const SpmmPlan& plan, bool bf16, int device) {
   return smbd::resident_blocks_cached(plan, bf16, device);
 }
 
-cudaError_t spmm_smbd_run(const SpmmArgs& a, const SpmmPlan& p, cudaStream_t stream) {
+cudaError_t spmm_smbd_run(const SpmmArgs& args, const SpmmPlan& p, cudaStream_t stream) {
+  SpmmArgs a = args;
+  a.evict_first = use_l2_evict_first();
   return smbd::by_tile<smbd::LaunchF>(p.bn, &a, &p, stream);
 }
 

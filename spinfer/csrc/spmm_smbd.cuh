@@ -316,6 +316,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     // measured N = 16 / 32 1-5% faster with cp.async, N = 1 the same (docs/kernels.md).
     // with_x = false leaves the x rows to issue_x: the first stages' weights go out before
     // griddep_wait (launch.cuh), their x rows after it.
+    const uint64_t policy = ptx::l2_stream_policy(args.evict_first);  // bitmaps and values
     auto issue_x = [&](int stage, int p) {
       const int gts = min(kPair, b.nk - kPair * p);
       const int k0 = (b.g_begin + kPair * p) * kGt;
@@ -346,11 +347,11 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
         ptx::fence_proxy_async_shared();  // the generic reads of this buffer come before the copy
         ptx::mbarrier_arrive_expect_tx(&s_full[stage], r.gts * kBitmapBytes + r.total * 2);
         ptx::cp_async_bulk_g2s(st, args.bitmap + (first_gtile + kPair * p) * kWordsPerGt, r.gts * kBitmapBytes,
-                               &s_full[stage]);
+                               &s_full[stage], policy);
         if (r.total > 0)
           ptx::cp_async_bulk_g2s(st + L::kValueOffset,
                                  static_cast<const char*>(args.values) + int64_t(s_off[kPair * p]) * 2, r.total * 2,
-                                 &s_full[stage]);
+                                 &s_full[stage], policy);
       }
       __syncwarp();  // the byte count is posted before any lane's arrival can complete the phase
       if (with_x) issue_x(stage, p);

@@ -21,6 +21,7 @@ struct SpmmArgs {
   int64_t nvalues;
   bool bf16;
   bool x_l1;                    // the activation copies go through L1 (SpmmPlan::x_l1)
+  bool evict_first;             // bitmaps and values under L2's evict_first policy (set by the launch)
 };
 
 struct SpmmPlan {

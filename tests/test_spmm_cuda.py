@@ -96,6 +96,25 @@ def test_register_budgets_forced(monkeypatch, budget):
         monkeypatch.delenv("SPINFER_SPLITS")
 
 
+def test_l2_policy_forced(monkeypatch):
+    """The bitmaps and values under either L2 policy (evict_first, or the normal one under
+    SPINFER_L2_EVICT_FIRST=0, for A/B runs): correct at every token tile, split and not, in fp16
+    and bf16, and the same bits either way (a cache hint moves no result)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1000), 0.5, dtype, device="cuda")
+        enc = TCABME.from_dense(w)
+        x = torch.randn(24, 1000, device="cuda").to(dtype)
+        outs = []
+        for evict_first in ("0", "1"):
+            monkeypatch.setenv("SPINFER_L2_EVICT_FIRST", evict_first)
+            check(w, [1, 16, 24, 64], dtype)
+            monkeypatch.setenv("SPINFER_SPLITS", "3")
+            check(w, [1, 16], dtype)
+            monkeypatch.delenv("SPINFER_SPLITS")
+            outs.append(spinfer.spmm(x, enc))
+        assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("x_l1", ["0", "1"])
 def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
     """The sm_90 loader's activation copies through L1 or not (SPINFER_SPMM_XL1) give the same

@@ -7,7 +7,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -63,10 +65,33 @@ int asked_once(const Key& key, Query query) {
   return table[key] = query();
 }
 
+// A launch's weight stream as an L2 access-policy window whose lines are marked streaming (replaced
+// before the others), so that a layer larger than L2 leaves what the launches around it read there
+// (docs/kernels.md, v13): for the kernels that copy with cp.async, whose in-kernel hint
+// (ptx::l2_stream_policy with .L2::cache_hint) ptxas 13.0 mistranslated. The window is the
+// launch's own memory descriptor, so no device code changes. Empty where SPINFER_L2_EVICT_FIRST=0;
+// clipped to the device's largest window (the rest of a longer stream keeps the normal policy).
+struct StreamWindow {
+  const void* base = nullptr;
+  size_t bytes = 0;
+};
+inline StreamWindow stream_window(const void* base, size_t bytes) {
+  if (!use_l2_evict_first() || base == nullptr || bytes == 0) return {};
+  int device = 0;
+  cudaGetDevice(&device);
+  const int max_bytes = asked_once(device, [&] {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, cudaDevAttrMaxAccessPolicyWindowSize, device) == cudaSuccess ? v : 0;
+  });
+  return {base, std::min(bytes, static_cast<size_t>(max_bytes))};
+}
+
+// A launch with programmatic dependent launch (`pdl`) and an L2 window over its weight stream
+// (`window.bytes` > 0), each where asked.
 template <typename... KArgs, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
-                          Args... args) {
-  if (!pdl) {
+cudaError_t launch_kernel_window(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                                 bool pdl, StreamWindow window, Args... args) {
+  if (!pdl && window.bytes == 0) {
     kernel<<<grid, threads, smem, stream>>>(args...);
     return cudaGetLastError();
   }
@@ -75,12 +100,29 @@ cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, int threads, int 
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  unsigned n = 0;
+  if (pdl) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (window.bytes > 0) {
+    attribute[n].id = cudaLaunchAttributeAccessPolicyWindow;
+    cudaAccessPolicyWindow& w = attribute[n++].val.accessPolicyWindow;
+    w.base_ptr = const_cast<void*>(window.base);
+    w.num_bytes = window.bytes;
+    w.hitRatio = 1.0f;
+    w.hitProp = cudaAccessPropertyStreaming;
+    w.missProp = cudaAccessPropertyNormal;
+  }
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+                          Args... args) {
+  return launch_kernel_window(kernel, grid, threads, smem, stream, pdl, StreamWindow{}, args...);
 }
 
 }  // namespace spinfer

@@ -536,7 +536,10 @@ struct GemvLauncher {
     }
     LowbitArgs a = args;
     if (kTail) a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
-    return launch_kernel(kernel, dim3(plan.grid_blocks), kGemvThreads, smem, stream, plan.pdl, a);
+    // The ring's cp.async copies read through L2 (the registers' ld.global.nc do not evict it).
+    const StreamWindow window =
+        R > 0 ? stream_window(args.qweight, lowbit_qweight_bytes(args.m, args.kp, BITS)) : StreamWindow{};
+    return launch_kernel_window(kernel, dim3(plan.grid_blocks), kGemvThreads, smem, stream, plan.pdl, window, a);
   }
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
     const bool tail = plan.tail_splits > 1;

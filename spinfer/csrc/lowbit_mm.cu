@@ -80,8 +80,11 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
 // registers -> ring: 2-bit g64 3.30 -> 3.61, g128 3.65 -> 3.89) and ties or wins at 4 bits
 // (2.87 -> 2.93). But a decode step captured in a CUDA graph runs every kernel in it slower when
 // the graph holds a ring launch: each kernel's start ~0.16 us later after the one before and the
-// small elementwise kernels ~5% longer (torch.profiler, benchmarks/ab_e2e.py; not the clocks, and
-// not the shared-memory carveout: preferences on every node moved nothing). The ring pays only
+// small elementwise kernels ~5% longer (torch.profiler, benchmarks/ab_e2e.py). The cause (thirty-ninth
+// session, scripts/graph_l2_probe.py, docs/kernels.md): the ring's cp.async stream passes through
+// L2's normal policy and evicts what the graph's launches read from L2; the register loader's
+// ld.global.nc stream does not. The SMBD kernel's bulk copies avoid it with an evict_first hint;
+// the same hint on cp.async miscompiles with ptxas 13.0, so the ring keeps the cost. The ring pays only
 // where it saves more than that on its layers. End to end, same process, batch 1, x dense, registers
 // / ring on every layer: Llama-8B-shaped (4 layers, K = 4096 and 14336) w4 2.54-2.60 / 2.47-2.52,
 // w2 g128 3.27 / 3.08, w2 g64 2.81 / 2.94; Llama-70B-shaped (2 layers, K = 8192 and 28672) w4

@@ -852,8 +852,9 @@ struct Launcher {
     std::memset(&x_map, 0, sizeof x_map);  // the cp.async loader never reads it
     if (bulk)
       if (cudaError_t err = encode_x_map(&x_map, args.x, args.n, args.kp, BN, kBF16); err != cudaSuccess) return err;
-    return launch_kernel(kernel(bulk), grid, kThreads, smem(bulk), stream, plan.pdl, a, plan.chunks, split_stride,
-                         plan.iters_per_split, x_map);
+    return launch_kernel_window(kernel(bulk), grid, kThreads, smem(bulk), stream, plan.pdl,
+                                stream_window(args.qweight, lowbit_qweight_bytes(args.m, args.kp, BITS)), a,
+                                plan.chunks, split_stride, plan.iters_per_split, x_map);
   }
   // The dynamic shared-memory opt-in, once per device and kernel (a driver call costs microseconds).
   static cudaError_t allow_smem(bool bulk) {

@@ -3,6 +3,7 @@
 // Plain CUDA types only, so this compiles without torch.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cuda_runtime.h>
@@ -45,6 +46,11 @@ constexpr int kLowbitRotate = 5;
 inline int lowbit_rotate() {
   const char* env = std::getenv("SPINFER_LOWBIT_ROTATE");
   return env ? std::atoi(env) : kLowbitRotate;
+}
+
+// Bytes of a packed weight (spinfer/quant/lowbit.py): ceil(m / 64) blocks of 64 rows x kp columns.
+inline size_t lowbit_qweight_bytes(int m, int kp, int bits) {
+  return static_cast<size_t>((m + 63) / 64) * 64 * static_cast<size_t>(kp) * bits / 8;
 }
 
 // The fused kernel's schedule variants (lowbit_mm.cuh).

@@ -28,7 +28,7 @@ __device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_
 // runs). A decode layer streams more bytes than L2 holds (50 MB on an H100); read with the normal
 // policy they evict everything else L2 held, and every launch of a CUDA graph that holds such a
 // layer then starts ~0.16 us later, from the graph's first kernel on: what the launches read comes
-// from DRAM again (docs/kernels.md, thirty-ninth session). evict_first lines are replaced before
+// from DRAM again (scripts/graph_l2_probe.py, docs/kernels.md). evict_first lines are replaced before
 // normal ones, so the stream recycles its own lines. Used by the SMBD kernel's bulk copies: ptxas
 // 13.0 miscompiled `cp.async.cg ... .L2::cache_hint` in the fused low-bit kernel and the SMBD
 // cp.async loader (its descriptor read from a uniform register it never wrote: an illegal

@@ -498,8 +498,11 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(plan.n_tiles, plan.grid_m, plan.splits);
-  return launch_kernel(kernel, grid, plan.bulk ? kThreads<true> : kThreads<false>, plan.smem_bytes, stream, plan.pdl,
-                       args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages);
+  // The bulk loader hints its copies itself (ptx::l2_stream_policy); the cp.async loader gets a
+  // window over the values, most of the stream.
+  const StreamWindow window = plan.bulk ? StreamWindow{} : stream_window(args.values, args.nvalues * 2);
+  return launch_kernel_window(kernel, grid, plan.bulk ? kThreads<true> : kThreads<false>, plan.smem_bytes, stream,
+                              plan.pdl, window, args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages);
 }
 
 #define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64)

@@ -83,9 +83,12 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
 // small elementwise kernels ~5% longer (torch.profiler, benchmarks/ab_e2e.py). The cause (thirty-ninth
 // session, scripts/graph_l2_probe.py, docs/kernels.md): the ring's cp.async stream passes through
 // L2's normal policy and evicts what the graph's launches read from L2; the register loader's
-// ld.global.nc stream does not. The SMBD kernel's bulk copies avoid it with an evict_first hint;
-// the same hint on cp.async miscompiles with ptxas 13.0, so the ring keeps the cost. The ring pays only
-// where it saves more than that on its layers. End to end, same process, batch 1, x dense, registers
+// ld.global.nc stream does not. The ring's launch now marks its weights streaming in L2 (an
+// access-policy window, launch.cuh: StreamWindow), which removes the cost; measured again with
+// it (same process, batch 1, x dense, auto / ring everywhere / registers everywhere): Llama-8B-shaped
+// w4 2.60 / 2.58 / 2.52, w2 g128 3.21 / 3.19 / 3.09, w2 g64 2.95 / 2.96 / 2.78; Llama-70B-shaped w4
+// 3.20 / 3.20 / 3.16, w2 g128 4.68 / 4.71 / 4.29, so the rule stands. Before the window the ring paid
+// only where it saved more than that on its layers. End to end then, same process, batch 1, x dense, registers
 // / ring on every layer: Llama-8B-shaped (4 layers, K = 4096 and 14336) w4 2.54-2.60 / 2.47-2.52,
 // w2 g128 3.27 / 3.08, w2 g64 2.81 / 2.94; Llama-70B-shaped (2 layers, K = 8192 and 28672) w4
 // 3.15 / 3.19, w2 g128 4.31 / 4.61, w2 g64 3.84 / 4.15.

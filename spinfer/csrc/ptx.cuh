@@ -32,7 +32,8 @@ __device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_
 // normal ones, so the stream recycles its own lines. Used by the SMBD kernel's bulk copies: ptxas
 // 13.0 miscompiled `cp.async.cg ... .L2::cache_hint` in the fused low-bit kernel and the SMBD
 // cp.async loader (its descriptor read from a uniform register it never wrote: an illegal
-// instruction), so the cp.async loaders read without a hint.
+// instruction), so the cp.async loaders get the policy from their launch instead (an access-policy
+// window, launch.cuh: StreamWindow).
 __device__ __forceinline__ uint64_t l2_stream_policy(bool evict_first) {
   uint64_t policy;
   if (evict_first)

@@ -26,6 +26,7 @@ import torch
 
 import spinfer
 from spinfer.bench.e2e import Stack, build_variant
+from spinfer.timing import profiled_kernels
 
 from ab_spmm import apply  # benchmarks/ is on sys.path when this script runs
 
@@ -78,15 +79,8 @@ def kernel_table(graph, pos, steps=8, dump=None):
     """Per kernel name, over `steps` replays of the graph (torch.profiler's CUDA activity): calls
     per step, mean duration and mean idle gap before it (its start less the previous kernel's end),
     us; then the step's summed durations and gaps."""
-    from torch.profiler import ProfilerActivity, profile
-
     pos.zero_()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = profiled_kernels(graph.replay, steps)
     if dump is not None:  # every kernel's (name, start, end), us
         dump.append([(e.name[:120], e.time_range.start, e.time_range.end) for e in kernels])
     rows, prev_end = {}, None

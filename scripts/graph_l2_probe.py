@@ -20,10 +20,10 @@ register GEMV (ld.global.nc) or the SMBD kernel's hinted bulk copies.
 """
 
 import argparse
-import os
 import random
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,30 +31,27 @@ import torch.nn.functional as F
 import spinfer
 from spinfer.format import TCABME
 from spinfer.quant import LowBitWeight
+from spinfer.timing import profiled_kernels
 
-VARIANTS = {  # name: SPINFER_* overrides while the graph is captured
-    "plain": {},
-    "w4 registers": {"LOWBIT_RING": "0"},
-    "w4 ring": {"LOWBIT_RING": "2"},
-    "w4 ring normal L2": {"LOWBIT_RING": "2", "L2_EVICT_FIRST": "0"},
-    "w4 fused": {"LOWBIT_GEMV": "0"},
-    "w4 fused normal L2": {"LOWBIT_GEMV": "0", "L2_EVICT_FIRST": "0"},
-    "spmm50": {},
-    "spmm50 cp_async": {"LOADER": "cp_async"},
-    "spmm50 cp_async normal L2": {"LOADER": "cp_async", "L2_EVICT_FIRST": "0"},
-    "spmm50 normal L2": {"L2_EVICT_FIRST": "0"},
-    "cublas": {},
-    "copy 64 MB": {},
-    "after flush": {},
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ab_spmm import apply  # noqa: E402  (the A/B scripts' SPINFER_* overrides)
+
+VARIANTS = {  # name: the SPINFER_* overrides while its graph is captured (ab_spmm.apply's form)
+    "plain": "auto",
+    "w4 registers": "LOWBIT_RING=0",
+    "w4 ring": "LOWBIT_RING=2",
+    "w4 ring normal L2": "LOWBIT_RING=2+L2_EVICT_FIRST=0",
+    "w4 fused": "LOWBIT_GEMV=0",
+    "w4 fused normal L2": "LOWBIT_GEMV=0+L2_EVICT_FIRST=0",
+    "spmm50": "auto",
+    "spmm50 cp_async": "LOADER=cp_async",
+    "spmm50 cp_async normal L2": "LOADER=cp_async+L2_EVICT_FIRST=0",
+    "spmm50 normal L2": "L2_EVICT_FIRST=0",
+    "cublas": "auto",
+    "copy 64 MB": "auto",
+    "after flush": "auto",
 }
 NAME_W = 26  # the variant column's width
-
-
-def set_env(overrides):
-    for key in [k for k in os.environ if k.startswith("SPINFER_") and k != "SPINFER_CACHE"]:
-        del os.environ[key]
-    for key, value in overrides.items():
-        os.environ[f"SPINFER_{key}"] = value
 
 
 def main(argv=None):
@@ -95,8 +92,8 @@ def main(argv=None):
 
     stream = torch.cuda.Stream()
     graphs = {}  # name: (graph with the small kernels, the layer's own graph or None)
-    for name, overrides in VARIANTS.items():
-        set_env(overrides)
+    for name, config in VARIANTS.items():
+        apply(config)
         layer = layer_of(name)
 
         def body(small=True):
@@ -118,7 +115,7 @@ def main(argv=None):
                 with torch.cuda.graph(alone, stream=stream):
                     body(small=False)
         graphs[name] = (g, alone)
-    set_env({})
+    apply("auto")
 
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = {name: ([], []) for name in graphs}
@@ -154,20 +151,13 @@ def main(argv=None):
 
 def profile_positions(graphs, small, replays=10):
     """Per position bin: the mean duration of the small kernels and the idle gap before them, us."""
-    from torch.profiler import ProfilerActivity, profile
-
     mid = small // 2
     bins = [(0, mid), (mid, mid + 1), (mid + 1, mid + 2), (mid + 2, mid + 11), (mid + 11, small + 1)]
     print("by position in the graph: mean duration / idle gap before, us (the layer at position "
           f"{mid} where there is one)")
     print(f"{'variant':<{NAME_W}} " + " ".join(f"{f'{lo}-{hi - 1}':>12}" for lo, hi in bins))
     for name, (graph, _) in graphs.items():
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                graph.replay()
-                torch.cuda.synchronize()
-        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: e.time_range.start)
+        kernels = profiled_kernels(lambda: (graph.replay(), torch.cuda.synchronize()), replays)
         per = len(kernels) // replays
         dur, gap = [0.0] * per, [0.0] * per
         for r in range(replays):

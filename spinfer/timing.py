@@ -126,3 +126,17 @@ def host_overhead(fn: Callable[[], object], device, reps: int = 200) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize(device)
     return (t1 - t0) / reps
+
+
+def profiled_kernels(fn: Callable[[], object], reps: int) -> list:
+    """The GPU kernels of ``reps`` calls of ``fn()`` in start order (torch.profiler's CUDA activity;
+    each has ``.name`` and ``.time_range.start`` / ``.end`` in us). The calls are issued back to
+    back; ``fn`` synchronizes itself where the gaps between calls must not count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)

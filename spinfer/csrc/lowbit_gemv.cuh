@@ -536,7 +536,8 @@ struct GemvLauncher {
     }
     LowbitArgs a = args;
     if (kTail) a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
-    // The ring's cp.async copies read through L2 (the registers' ld.global.nc do not evict it).
+    // The ring's cp.async stream evicts L2 under the normal policy (the register loader's
+    // ld.global.nc stream does not: docs/kernels.md, v13).
     const StreamWindow window =
         R > 0 ? stream_window(args.qweight, lowbit_qweight_bytes(args.m, args.kp, BITS)) : StreamWindow{};
     return launch_kernel_window(kernel, dim3(plan.grid_blocks), kGemvThreads, smem, stream, plan.pdl, window, a);

@@ -73,6 +73,35 @@ def test_fused_kernel_matches_dequantized_reference(bits, geometry, dtype, monke
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_l2_window_changes_no_result(dtype, monkeypatch):
+    """The launches that carry an L2 access-policy window over the packed weight (launch.cuh,
+    StreamWindow: the GEMV's ring and the fused kernel, with its bulk and its cp.async loaders)
+    and the same launches without one (SPINFER_L2_EVICT_FIRST=0): both match the reference, bit
+    for bit, split and not. The window is a cache policy; it must move no result."""
+    cases = [({"SPINFER_LOWBIT_GEMV": "1", "SPINFER_LOWBIT_RING": "2"}, 1),  # the ring
+             ({}, 8), ({"SPINFER_LOWBIT_SPLITS": "3"}, 16),                  # fused, cp.async
+             ({}, 32), ({"SPINFER_LOADER": "cp_async"}, 32)]                 # bulk (sm_90) / cp.async
+    for bits, group in ((4, 128), (2, 64)):
+        q = LowBitWeight.quantize(torch.randn(4097, 1792, device="cuda").to(dtype), bits, group)
+        b = torch.randn(4097, device="cuda").to(dtype)
+        for env, n in cases:
+            x = torch.randn(n, 1792, device="cuda").to(dtype)
+            outs = []
+            for evict_first in ("0", "1"):
+                monkeypatch.setenv("SPINFER_L2_EVICT_FIRST", evict_first)
+                for key, value in env.items():
+                    monkeypatch.setenv(key, value)
+                if "SPINFER_LOWBIT_RING" in env:
+                    assert lowbit_plan(q, 1, dtype=dtype)["gemv_ring"] == 2
+                outs.append(fused(x, q, b))
+                for key in env:
+                    monkeypatch.delenv(key)
+            err = rel_err(outs[1], reference(x, q, b))
+            assert err <= TOL[dtype], (bits, env, n, err)
+            assert torch.equal(outs[0], outs[1]), (bits, env, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", BITS)
 def test_bulk_loader_equals_the_cp_async_loader(bits, dtype, monkeypatch):
     """On sm_90 the bulk loader (LowbitPlan::bulk_weights: 4 bits with 32-token tiles) takes each

@@ -96,10 +96,14 @@ def test_register_budgets_forced(monkeypatch, budget):
         monkeypatch.delenv("SPINFER_SPLITS")
 
 
-def test_l2_policy_forced(monkeypatch):
+@pytest.mark.parametrize("loader", ["bulk", "cp_async"])
+def test_l2_policy_forced(monkeypatch, loader):
     """The bitmaps and values under either L2 policy (evict_first, or the normal one under
-    SPINFER_L2_EVICT_FIRST=0, for A/B runs): correct at every token tile, split and not, in fp16
-    and bf16, and the same bits either way (a cache hint moves no result)."""
+    SPINFER_L2_EVICT_FIRST=0, for A/B runs): the bulk loader's in-kernel hint, the cp.async
+    loader's access-policy window on the launch. Correct at every token tile, split and not, in
+    fp16 and bf16, and the same bits either way (a cache policy moves no result)."""
+    if loader == "cp_async":
+        monkeypatch.setenv("SPINFER_LOADER", "cp_async")
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1000), 0.5, dtype, device="cuda")
         enc = TCABME.from_dense(w)

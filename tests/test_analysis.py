@@ -1,6 +1,7 @@
 """Compression study (scipy sizes read from scipy objects, closed forms, crossovers, plot) and the
 roofline model (intensities, ceilings, measured points, plot), plus the bench front door."""
 
+import copy
 import math
 from pathlib import Path
 
@@ -344,16 +345,58 @@ def test_bench_weight_options_and_the_gpu_check():
             assert bench_main([bench]) == 2
 
 
-def test_e2e_norm_falls_back_to_torch_when_compile_fails(monkeypatch, capsys):
-    """The benchmark's compiled RMSNorm (CUDA only) goes on with torch's kernel, and says so, when
+def test_e2e_glue_falls_back_to_torch_when_compile_fails(monkeypatch, capsys):
+    """The benchmark's compiled glue (CUDA only) goes on with torch's kernels, and says so, when
     torch.compile cannot build it (no Triton)."""
     import spinfer.bench.e2e as e2e
 
     def broken(*args, **kwargs):
         raise RuntimeError("no triton")
 
-    monkeypatch.setattr(e2e, "_COMPILED", {"on": True, "fn": None})
+    monkeypatch.setattr(e2e, "_GLUE", {"mode": "fused"})
+    monkeypatch.setattr(e2e, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
-    x, w = torch.randn(2, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
-    torch.testing.assert_close(e2e._rms_norm_cuda(x, w), e2e.rms_norm(x, w))
-    assert e2e._COMPILED["on"] is False and "torch.compile of RMSNorm failed" in capsys.readouterr().err
+    x, r, w = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    s, h = e2e._compiled_call(e2e.add_rms_norm, x, r, w)
+    torch.testing.assert_close(s, x + r)
+    torch.testing.assert_close(h, e2e.rms_norm(x + r, w))
+    assert e2e._GLUE["mode"] == "eager" and "torch.compile of add_rms_norm failed" in capsys.readouterr().err
+
+
+def test_e2e_stack_adds_each_residual_in_the_next_norm():
+    """The Stack's step, which leaves each layer's MLP output to be added inside the next layer's
+    norm, equals running the layers one after another, and writes the same caches."""
+    from spinfer.bench.e2e import Stack
+
+    torch.manual_seed(3)
+    hidden, inter, heads, kv, max_len, batch = 64, 96, 8, 2, 5, 2
+    for fused in (False, True):
+        stack = Stack(3, hidden, inter, heads, kv, max_len, batch, fused).double()
+        ref = copy.deepcopy(stack)
+        with torch.no_grad():
+            for step in range(3):
+                x = torch.randn(batch, 1, hidden, dtype=torch.float64)
+                pos = torch.tensor([step])
+                mask = torch.zeros(max_len, dtype=torch.float64).masked_fill(torch.arange(max_len) > step,
+                                                                              float("-inf")).view(1, 1, 1, -1)
+                h = x
+                for layer in ref.layers:
+                    h = layer(h, pos, mask)
+                torch.testing.assert_close(stack(x, pos), ref.norm(h))
+        for a, b in zip(stack.layers, ref.layers):
+            torch.testing.assert_close(a.kv_cache, b.kv_cache)
+            assert a.kv_cache[:, :, :, 3:].abs().sum() == 0 and a.kv_cache[:, :, :, :3].abs().sum() > 0
+
+
+def test_e2e_time_interleaved_times_every_variant_in_every_round():
+    """Each variant runs twice a round (one untimed call, one timed), in rounds of shuffled order,
+    and gets the median of its timed calls."""
+    import time as _time
+
+    from spinfer.bench.e2e import time_interleaved
+
+    calls, naps = [], {"a": 0.001, "b": 0.004, "c": 0.0}
+    runs = {k: (lambda k=k: (calls.append(k), _time.sleep(naps[k]))) for k in naps}
+    secs = time_interleaved(runs, torch.device("cpu"), rounds=3)
+    assert sorted(calls) == sorted(list(naps) * 6)
+    assert secs["b"] >= 0.004 and 0.001 <= secs["a"] < secs["b"] and secs["c"] < secs["a"]

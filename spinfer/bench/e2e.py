@@ -8,11 +8,13 @@ Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a stat
 and grouped-query SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
 download. One decode step for a batch (1, 8, 16 sequences) is captured in a CUDA graph and
 replayed; tokens per second = batch * steps / time. With --prefill, one prompt of each length
-(batch 1, causal attention over it, also a replayed CUDA graph) goes through the same stacks: prompt tokens per
-second, where the linear layers see N = the prompt length. Attention, norms and everything else are
-the same module instances in every variant; only the nn.Linear layers are replaced.
+(batch 1, causal attention over it, also a replayed CUDA graph) goes through the same stacks: prompt
+tokens per second, where the linear layers see N = the prompt length. Attention, norms and
+everything else are the same in every variant (copies of one stack); only the nn.Linear layers
+are replaced. The glue between the linear layers runs as fused compiled kernels on CUDA (--glue).
+Every variant is built and captured first, then all are timed in shuffled rounds (median).
 
-    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048] [--eager-norms]
+    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048] [--glue fused|norms|eager] [--rounds 5]
     python benchmarks/bench_e2e.py ...      (same)
     spinfer bench e2e --tiny --device cpu   (a small smoke run of the same code, no graphs)
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import random
 import re
 import statistics
 import sys
@@ -33,33 +36,65 @@ import torch.nn.functional as F
 
 import spinfer
 from spinfer.nn import SparseLinear
-from spinfer.timing import median_time
 
 
 def rms_norm(x, weight):
     return F.rms_norm(x, (x.shape[-1],), weight, 1e-5)
 
 
-# On CUDA the norms run as one generated kernel (torch.compile of rms_norm): torch's own kernel
-# takes 6.3 us for one 4096-wide row on H100, 56 us of a 4-layer dense step of ~810 at batch 1
-# (profile, docs/benchmarks.md). Serving engines fuse their norms too; every variant runs the same
-# norm, so only the shared part of a step shrinks. --eager-norms keeps torch's kernel.
-_COMPILED = {"on": True, "fn": None}
+def add_rms_norm(x, r, weight):
+    """The residual sum x + r and its RMSNorm: one kernel when compiled (serving engines fuse the
+    two the same way)."""
+    s = x + r
+    return s, rms_norm(s, weight)
 
 
-def _rms_norm_cuda(x, weight):
-    if _COMPILED["fn"] is None:  # the first call compiles; without a working Triton, torch's kernel
+def silu_mul(gate, up):
+    """SwiGLU's product: one kernel when compiled."""
+    return F.silu(gate) * up
+
+
+def additive_mask(positions, pos, like):
+    """[1, 1, 1, L] in like's dtype: 0 where a cache position is attended (<= pos), -inf past it.
+    Attention takes it as is (a boolean mask was converted to an additive one in every layer)."""
+    return torch.where(positions > pos, float("-inf"), 0.0).to(like.dtype).view(1, 1, 1, -1)
+
+
+# The step's glue on CUDA. "fused" (default): each function above is one torch.compile'd kernel.
+# torch's own RMSNorm kernel took 6.3 us for one 4096-wide row on H100, and the residual adds,
+# SiLU, product and mask a kernel each (~1.4 us plus a ~0.45 us launch gap in a graph); serving
+# engines fuse them too, and every variant runs the same glue, so only the shared part of a step
+# shrinks (docs/benchmarks.md). "norms": only RMSNorm compiled, the rest torch's kernels (the
+# nineteenth to thirty-ninth sessions' glue). "eager": torch's kernels throughout. The CPU always
+# runs the functions eagerly.
+_GLUE = {"mode": "fused"}
+_COMPILED: dict = {}  # function name -> its compiled form
+
+
+def _glue(fn, *args):
+    """fn(*args): compiled on CUDA where the glue mode says so, else torch's kernels."""
+    mode = _GLUE["mode"]
+    if not args[0].is_cuda or mode == "eager" or (mode == "norms" and fn is not rms_norm):
+        return fn(*args)
+    return _compiled_call(fn, *args)
+
+
+def _compiled_call(fn, *args):
+    """fn(*args) through torch.compile (compiled on the first call, a graph per shape); if the
+    compiler fails (no Triton), torch's kernels from then on, said once."""
+    compiled = _COMPILED.get(fn.__name__)
+    if compiled is None:
         try:
-            compiled = torch.compile(rms_norm, dynamic=False)
-            y = compiled(x, weight)
+            compiled = torch.compile(fn, dynamic=False)
+            out = compiled(*args)
         except Exception as e:  # noqa: BLE001 (any compiler failure: the benchmark goes on eagerly)
-            print(f"bench e2e: torch.compile of RMSNorm failed ({type(e).__name__}); torch's kernel instead",
+            print(f"bench e2e: torch.compile of {fn.__name__} failed ({type(e).__name__}); torch's kernels instead",
                   file=sys.stderr)
-            _COMPILED["on"] = False
-            return rms_norm(x, weight)
-        _COMPILED["fn"] = compiled
-        return y
-    return _COMPILED["fn"](x, weight)
+            _GLUE["mode"] = "eager"
+            return fn(*args)
+        _COMPILED[fn.__name__] = compiled
+        return out
+    return compiled(*args)
 
 
 class RMSNorm(nn.Module):
@@ -68,15 +103,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        if x.is_cuda and _COMPILED["on"]:
-            return _rms_norm_cuda(x, self.weight)
-        return rms_norm(x, self.weight)
+        return _glue(rms_norm, x, self.weight)
+
+    def add_forward(self, x, r):
+        """(x + r, its norm); r None: (x, norm(x))."""
+        if r is None:
+            return x, self(x)
+        if _GLUE["mode"] == "fused":
+            return _glue(add_rms_norm, x, r, self.weight)
+        s = x + r
+        return s, self(s)
 
 
 class DecoderLayer(nn.Module):
     """Llama decoder layer for one-token steps against a static KV cache. fused: q, k and v in
     one [hidden + 2 * kv_heads * head_dim, hidden] projection and gate and up in one
-    [2 * inter, hidden] (as serving engines store them): 4 linear launches a layer instead of 7."""
+    [2 * inter, hidden] (as serving engines store them): 4 linear launches a layer instead of 7.
+    The keys and values share one cache buffer [2, B, kv_heads, L, head_dim], so with the fused
+    projection one index_copy_ writes both."""
 
     def __init__(self, hidden, inter, heads, kv_heads, max_len, batch, fused=False):
         super().__init__()
@@ -95,47 +139,74 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
-        self.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, self.hd))
-        self.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, self.hd))
+        self.register_buffer("kv_cache", torch.zeros(2, batch, kv_heads, max_len, self.hd))
 
-    def _qkv(self, h):  # h [B, T, H] -> q [B, heads, T, hd], k and v [B, kv_heads, T, hd]
+    @property
+    def k_cache(self):
+        return self.kv_cache[0]
+
+    @property
+    def v_cache(self):
+        return self.kv_cache[1]
+
+    def _qkv(self, h):
+        """h [B, T, H] -> q [B, heads, T, hd] and kv: keys and values [B, kv_heads, T, hd], as one
+        [2, B, kv_heads, T, hd] view of the fused projection's output, or a (k, v) pair."""
         b, t = h.shape[:2]
         if self.fused:
-            kvd = self.kv_heads * self.hd
-            q, k, v = self.qkv_proj(h).split([self.heads * self.hd, kvd, kvd], dim=-1)
+            qkv = self.qkv_proj(h)
+            q = qkv[..., : self.heads * self.hd]
+            kv = qkv[..., self.heads * self.hd:].view(b, t, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
         else:
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        return (q.reshape(b, t, self.heads, self.hd).transpose(1, 2),
-                k.reshape(b, t, self.kv_heads, self.hd).transpose(1, 2),
-                v.reshape(b, t, self.kv_heads, self.hd).transpose(1, 2))
+            q = self.q_proj(h)
+            kv = tuple(p(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+        return q.reshape(b, t, self.heads, self.hd).transpose(1, 2), kv
 
-    def _rest(self, x, a):  # the attention output a [B, heads, T, hd] -> o_proj, residual, MLP
+    def _mlp(self, x, a):
+        """The attention output a [B, heads, T, hd] -> (x + o_proj(a), the MLP's output): the MLP's
+        residual add is left to the next norm's kernel (Stack)."""
         b, t = x.shape[:2]
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
-        h = self.norm2(x)
+        x, h = self.norm2.add_forward(x, self.o_proj(a.transpose(1, 2).reshape(b, t, -1)))
         if self.fused:
-            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            m = _glue(silu_mul, *self.gate_up_proj(h).chunk(2, dim=-1))
         else:
-            gate, up = self.gate_proj(h), self.up_proj(h)
-        return x + self.down_proj(F.silu(gate) * up)
+            m = _glue(silu_mul, self.gate_proj(h), self.up_proj(h))
+        return x, self.down_proj(m)
 
-    def forward(self, x, pos, mask):
-        """x [B, 1, H]; pos: 1-element long tensor; mask [1, 1, 1, L]: True or 0.0 where a cache
-        position is attended (Stack passes an additive mask in x's dtype, made once a step)."""
-        q, k, v = self._qkv(self.norm1(x))
-        self.k_cache.index_copy_(2, pos, k)
-        self.v_cache.index_copy_(2, pos, v)
+    def _rest(self, x, a):  # the layer's output from its attention output
+        x, m = self._mlp(x, a)
+        return x + m
+
+    def step(self, x, pending, pos, mask):
+        """One decode step, x [B, 1, H] with the previous layer's MLP output `pending` not yet added
+        (None: nothing pending) -> (x, this layer's MLP output, pending). pos: 1-element long
+        tensor; mask [1, 1, 1, L]: True or 0.0 where a cache position is attended."""
+        x, h = self.norm1.add_forward(x, pending)
+        q, kv = self._qkv(h)
+        if isinstance(kv, torch.Tensor):
+            self.kv_cache.index_copy_(3, pos, kv)
+        else:
+            self.k_cache.index_copy_(2, pos, kv[0])
+            self.v_cache.index_copy_(2, pos, kv[1])
         # Grouped-query attention straight on the cache (enable_gqa), not on a copy of it with each
         # KV head repeated for its query heads: that copy was two extra kernels a layer.
         a = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
-        return self._rest(x, a)
+        return self._mlp(x, a)
+
+    def forward(self, x, pos, mask):
+        x, m = self.step(x, None, pos, mask)
+        return x + m
 
     def prefill(self, x):  # x [B, T, H]: a prompt; causal attention over it, its keys and values cached
-        q, k, v = self._qkv(self.norm1(x))
+        q, kv = self._qkv(self.norm1(x))
         t = x.shape[1]
-        self.k_cache[:, :, :t].copy_(k)
-        self.v_cache[:, :, :t].copy_(v)
-        return self._rest(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        if isinstance(kv, torch.Tensor):
+            self.kv_cache[:, :, :, :t].copy_(kv)
+        else:
+            for i, src in enumerate(kv):
+                self.kv_cache[i, :, :, :t].copy_(src)
+        a = F.scaled_dot_product_attention(q, kv[0], kv[1], is_causal=True, enable_gqa=True)
+        return self._rest(x, a)
 
 
 class Stack(nn.Module):
@@ -145,15 +216,14 @@ class Stack(nn.Module):
                                     for _ in range(layers))
         self.norm = RMSNorm(hidden)
         self.max_len = max_len
+        self.register_buffer("positions", torch.arange(max_len), persistent=False)
 
     def forward(self, x, pos):
-        # Additive, in x's dtype: attention takes it as is (a boolean mask was converted to one
-        # in every layer, two fill kernels each).
-        past = torch.arange(self.max_len, device=x.device) > pos
-        mask = torch.zeros(1, 1, 1, self.max_len, device=x.device, dtype=x.dtype).masked_fill(past, float("-inf"))
+        mask = _glue(additive_mask, self.positions, pos, x)  # made once a step
+        pending = None  # each layer's MLP output is added inside the next norm's kernel
         for layer in self.layers:
-            x = layer(x, pos, mask)
-        return self.norm(x)
+            x, pending = layer.step(x, pending, pos, mask)
+        return self.norm.add_forward(x, pending)[1]
 
     def prefill(self, x):
         for layer in self.layers:
@@ -191,75 +261,114 @@ def tune_splits(model, n: int) -> None:
                 spinfer.tuning.tune_lowbit(w, [n], reps=10, save=False)
 
 
-def decode_rate(model, batch, hidden, steps, device, graphs: bool, reps: int = 3) -> float:
-    """Tokens per second of `steps` greedy steps (the step's output feeds the next step): on a GPU
-    the median of `reps` timed runs, after 8 untimed replays of the captured step (the benchmarks'
-    method: warm-up, then a median). A caveat (thirty-ninth session, docs/benchmarks.md): in one
-    process, every variant measured after a sparse one reads lower (4-bit 2.61x before, 2.45x
-    after; dense itself 2.5% slower), with or without the warm-up, the L2 hints or an emptied
-    allocator cache; benchmarks/ab_e2e.py, which interleaves all graphs in rounds, does not."""
-    x = torch.randn(batch, 1, hidden, device=device, dtype=torch.float16)
-    pos = torch.zeros(1, dtype=torch.long, device=device)
+# From the fourth CUDA-graph capture in a process on (any capture, even of nothing, on any
+# stream), the kernels of every graph launch further apart, graphs captured before as much as
+# after: on the H100 (driver 580.159, torch 2.11) the idle gap before each kernel of a dense
+# decode step went from ~0.1 to ~0.45 us, 1365 -> 1320 tokens/s (docs/benchmarks.md, fortieth
+# session). A serving engine captures a graph per batch size and runs in the later state. The
+# benchmark puts its process there before it times anything, so that no figure depends on how
+# many graphs were captured before it (the first three variants of a run were timed in the fast
+# state and the rest in the slow one until then).
+SETTLE_CAPTURES = 4
 
+
+def settle_graph_launches(device) -> None:
+    """SETTLE_CAPTURES throwaway captures of one tiny kernel (see above)."""
+    t = torch.zeros(1, device=device)
+    for _ in range(SETTLE_CAPTURES):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            t.add_(1)
+    torch.cuda.synchronize(device)
+
+
+def capture(model, x, pos, keep_graph=False):
+    """The decode step (its output feeds the next step: x, pos += 1) as a CUDA graph, after a
+    warm-up that builds the kernels and makes and caches the policy's choices."""
     def step():
-        y = model(x, pos)
-        x.copy_(y)
+        x.copy_(model(x, pos))
         pos.add_(1)
 
     with torch.no_grad():
-        for _ in range(3):  # warm up: kernels built, policy choices made and cached
+        for _ in range(3):
             step()
-        if device.type == "cuda" and graphs:
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                step()
-            run = g.replay
-        else:
-            run = step
         pos.zero_()
-        if device.type == "cuda":
-            for _ in range(8):
-                run()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            runs = []
-            for _ in range(reps):
-                pos.zero_()
-                torch.cuda.synchronize()
-                start.record()
-                for _ in range(steps):
-                    run()
-                end.record()
-                end.synchronize()
-                runs.append(start.elapsed_time(end) / 1e3)
-            seconds = statistics.median(runs)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                run()
-            seconds = time.perf_counter() - t0
-    return batch * steps / seconds
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph(keep_graph=keep_graph)
+        with torch.cuda.graph(g):
+            step()
+    return g
 
 
-def prefill_rate(model, tokens, hidden, device, graphs: bool, reps: int = 20) -> float:
-    """Prompt tokens per second of one prefill of `tokens` tokens (batch 1; median of `reps`). On
-    CUDA the prefill is captured in a CUDA graph and replayed, as the decode step is: eager, host
-    launch gaps showed in the 512-token times (dense 155-268k tokens/s over four runs of one
-    lease)."""
+def decode_runner(model, batch, hidden, steps, device, graphs: bool):
+    """A callable that runs `steps` greedy decode steps of `model` from position 0 (on CUDA, by
+    replaying the step's graph) and the tokens it makes."""
+    x = torch.randn(batch, 1, hidden, device=device, dtype=torch.float16)
+    pos = torch.zeros(1, dtype=torch.long, device=device)
+    if device.type == "cuda" and graphs:
+        one = capture(model, x, pos).replay
+    else:
+        def one():
+            with torch.no_grad():
+                x.copy_(model(x, pos))
+                pos.add_(1)
+
+    def run():
+        pos.zero_()
+        for _ in range(steps):
+            one()
+
+    return run, batch * steps
+
+
+def prefill_runner(model, tokens, hidden, device, graphs: bool):
+    """A callable that runs one prefill of `tokens` prompt tokens (batch 1; on CUDA a replayed
+    graph, as the decode step is: eager, host launch gaps showed in the 512-token times, dense
+    155-268k tokens/s over four runs of one lease) and the tokens it takes."""
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.float16)
     with torch.no_grad():
         for _ in range(2):  # warm up: kernels built, policy choices made and cached
             model.prefill(x)
-        run = lambda: model.prefill(x)  # noqa: E731
         if device.type == "cuda" and graphs:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 model.prefill(x)
-            run = g.replay
-        # The stack's weights are far larger than L2, so no flush; the warm-up ran above.
-        seconds = median_time(run, device, reps=reps, warmup=0, flush_l2=False, max_seconds=None)
-    return tokens / seconds
+            return g.replay, tokens
+
+    def run():
+        with torch.no_grad():
+            model.prefill(x)
+
+    return run, tokens
+
+
+def time_interleaved(runs: dict, device, rounds: int) -> dict:
+    """Median seconds of each callable in `runs` over `rounds` rounds, each round in a fresh
+    shuffled order. Every variant is timed in the same state of the machine, whatever its place
+    in the list (timed one after another, the later variants of a run read up to 6% lower, see
+    SETTLE_CAPTURES). Before each timed call one untimed call: its weights in flight, the
+    previous variant's out of L2 (the stacks' weights are far larger than L2, so no flush)."""
+    times = {name: [] for name in runs}
+    cuda = device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        order = list(runs)
+        random.shuffle(order)
+        for name in order:
+            runs[name]()
+            if cuda:
+                start.record()
+                runs[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def build_variant(base, name, batch):
@@ -294,7 +403,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="hidden 256, MLP 512, 8/2 heads: a smoke run")
     p.add_argument("--no-graphs", action="store_true")
-    p.add_argument("--eager-norms", action="store_true", help="torch's RMSNorm kernel instead of a compiled one")
+    p.add_argument("--glue", choices=("fused", "norms", "eager"), default="fused",
+                   help="the step's norms, residual adds, SwiGLU product and mask on CUDA: fused compiled kernels "
+                        "(default), only the norms compiled, or torch's kernels")
+    p.add_argument("--eager-norms", action="store_const", dest="glue", const="eager", help="same as --glue eager")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds, each over every variant in a shuffled order")
     p.add_argument("--fused", action="store_true",
                    help="q/k/v and gate/up as one projection each, in every variant (dense too)")
     a = p.parse_args(argv)
@@ -306,40 +419,46 @@ def main(argv=None) -> int:
     batches = [int(v) for v in a.batches.split(",")] if a.batches else []
     prompts = [int(v) for v in a.prefill.split(",")] if a.prefill else []
     variants = a.variants.split(",")
-    _COMPILED["on"] = not a.eager_norms
+    _GLUE["mode"] = a.glue
     dtype = torch.float16
+    graphs = device.type == "cuda" and not a.no_graphs
     if device.type == "cuda":
         spinfer.build.load_extension()
         print(f"device {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    if graphs:
+        settle_graph_launches(device)
     print(f"{a.layers} decoder layers, hidden {hidden}, MLP {inter}, {heads}/{kv} heads, {a.steps} greedy steps, "
-          f"{'CUDA graphs' if device.type == 'cuda' and not a.no_graphs else 'eager'}"
-          f"{', fused qkv and gate_up projections' if a.fused else ''}"
-          f"{', compiled RMSNorm' if device.type == 'cuda' and not a.eager_norms else ''}")
+          f"{'CUDA graphs' if graphs else 'eager'}{', fused qkv and gate_up projections' if a.fused else ''}"
+          f"{f', {a.glue} glue' if device.type == 'cuda' else ''}; median of {a.rounds} shuffled rounds")
     print(f"{'variant':<15} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
     torch.manual_seed(0)
 
-    def run(base, label, n, rate_of):
-        """Every variant of `base` (n tokens per linear call), one table row each, ratio to dense."""
-        dense_rate = None
-        for name in variants:
-            model = build_variant(base, name, n)
-            rate = rate_of(model)
-            dense_rate = rate if name == "dense" else dense_rate
+    def run(base, label, n, runner):
+        """Every variant of `base` (n tokens per linear call), built and captured first, then timed
+        in interleaved rounds; one table row each, ratio to dense."""
+        models = {name: build_variant(base, name, n) for name in variants}
+        runs, tokens = {}, {}
+        for name, model in models.items():
+            runs[name], tokens[name] = runner(model)
+        seconds = time_interleaved(runs, device, a.rounds)
+        dense_rate = tokens["dense"] / seconds["dense"] if "dense" in seconds else None
+        for name, model in models.items():
+            rate = tokens[name] / seconds[name]
             ratio = rate / dense_rate if dense_rate else float("nan")
             print(f"{name:<15} {label:>5} {rate:>10.1f} {ratio:>8.2f} {linear_bytes(model) / 2**20:>11.1f}  "
                   f"{formats(model, n)}", flush=True)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        del models, runs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     for batch in batches:
         run(Stack(a.layers, hidden, inter, heads, kv, a.steps + 8, batch, a.fused).to(device, dtype), str(batch), batch,
-            lambda m: decode_rate(m, batch, hidden, a.steps, device, graphs=not a.no_graphs))
+            lambda m: decode_runner(m, batch, hidden, a.steps, device, graphs))
     for tokens in prompts:
         # A prompt through the same stack, batch 1: the linear layers see N = tokens, where the
         # layers run decode + cuBLAS (or the fused kernels, for "spmmNN" and below fused_max_n).
         run(Stack(a.layers, hidden, inter, heads, kv, tokens, 1, a.fused).to(device, dtype), f"p{tokens}", tokens,
-            lambda m: prefill_rate(m, tokens, hidden, device, graphs=not a.no_graphs))
+            lambda m: prefill_runner(m, tokens, hidden, device, graphs))
     return 0
 
 

@@ -2,7 +2,7 @@
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
 #   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
-#                           [bench-to-dense] [ncu-spmm] [ncu-lowbit]
+#                           [bench-to-dense] [e2e] [ncu-spmm] [ncu-lowbit]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,11 @@ if [[ " $steps " == *" bench-to-dense "* ]]; then
     # the decode-to-dense kernels' bandwidth and the N where decode + cuBLAS overtakes the fused kernels
     python3 benchmarks/bench_to_dense.py --quick --csv "$OUT/to_dense.csv" >"$OUT/bench-to-dense.log" 2>&1 || status=1
     sed -n '/^crossover/,$p' "$OUT/bench-to-dense.log"
+fi
+if [[ " $steps " == *" e2e "* ]]; then
+    # decode through 4 Llama-shaped layers, dense against 50% / 70% sparse and 4-bit, batch 1
+    python3 -m spinfer.bench e2e --fused --variants dense,sparse50,sparse70,w4 --batches 1 >"$OUT/e2e.log" 2>&1 || status=1
+    grep -E "^(variant|dense|sparse[0-9]+|w4) " "$OUT/e2e.log"
 fi
 # One launch under Nsight Compute: the details page and the per-SASS-instruction source page
 # (executed instructions, stall samples) as CSV, and the headline metrics.

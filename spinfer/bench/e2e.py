@@ -65,8 +65,8 @@ def additive_mask(positions, pos, like):
 # SiLU, product and mask a kernel each (~1.4 us plus a ~0.45 us launch gap in a graph); serving
 # engines fuse them too, and every variant runs the same glue, so only the shared part of a step
 # shrinks (docs/benchmarks.md). "norms": only RMSNorm compiled, the rest torch's kernels (the
-# nineteenth to thirty-ninth sessions' glue). "eager": torch's kernels throughout. The CPU always
-# runs the functions eagerly.
+# nineteenth to thirty-ninth sessions' glue, but for the one KV-cache write and the mask's
+# kernels). "eager": torch's kernels throughout. The CPU always runs the functions eagerly.
 _GLUE = {"mode": "fused"}
 _COMPILED: dict = {}  # function name -> its compiled form
 
@@ -179,8 +179,8 @@ class DecoderLayer(nn.Module):
 
     def step(self, x, pending, pos, mask):
         """One decode step, x [B, 1, H] with the previous layer's MLP output `pending` not yet added
-        (None: nothing pending) -> (x, this layer's MLP output, pending). pos: 1-element long
-        tensor; mask [1, 1, 1, L]: True or 0.0 where a cache position is attended."""
+        (None: nothing pending) -> (x, this layer's MLP output: the next layer's pending). pos:
+        1-element long tensor; mask [1, 1, 1, L]: True or 0.0 where a cache position is attended."""
         x, h = self.norm1.add_forward(x, pending)
         q, kv = self._qkv(h)
         if isinstance(kv, torch.Tensor):

@@ -18,7 +18,6 @@ lists each graph's kernels with their durations and the idle gaps before them (t
 
 import argparse
 import json
-import random
 import statistics
 import time
 
@@ -26,7 +25,7 @@ import torch
 
 import spinfer
 from spinfer.bench.e2e import Stack, build_variant, capture, settle_graph_launches
-from spinfer.timing import profiled_kernels
+from spinfer.timing import profiled_kernels, rounds_of
 
 from ab_spmm import apply  # benchmarks/ is on sys.path when this script runs
 
@@ -123,21 +122,16 @@ def main():
             apply("+".join(i for i in items if not i.startswith("NODES=")) or "auto")
             graphs[f"{name} {config}"] = capture_with(model, x, pos, nodes)
     apply("auto")
-    times = {label: [] for label in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(a.rounds):
-        order = list(graphs)
-        random.shuffle(order)
-        for label in order:
+    def steps_of(g):
+        def run():
             pos.zero_()
-            graphs[label].replay()  # one warm replay: the previous graph's weights left L2
-            pos.zero_()
-            start.record()
             for _ in range(a.steps):
-                graphs[label].replay()
-            end.record()
-            end.synchronize()
-            times[label].append(start.elapsed_time(end) / 1e3)
+                g.replay()
+        return run
+
+    # Shuffled rounds, each run after one untimed run (the previous graph's weights out of L2).
+    times = rounds_of({label: steps_of(g) for label, g in graphs.items()}, dev, rounds=a.rounds, shuffle=True,
+                      reps=1, warmup=1, flush_l2=False, max_seconds=None)
     print(f"{torch.cuda.get_device_name(dev)}: {a.layers} fused layers ({a.dims}), batch {a.batch}, {a.steps} steps, "
           f"{a.rounds} shuffled rounds")
     dense = min(times["dense"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -88,21 +88,29 @@ ROUNDS = 3
 def least_of_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, *, rounds: int = ROUNDS,
                     shuffle: bool = False, **kwargs) -> Dict[str, float]:
     """The least of ``rounds`` medians (:func:`median_time`, ``kwargs`` as there) of each of
-    ``fns``, measured round by round with the calls interleaved: a disturbance that slows one
-    stretch of time lands on one round of one call, and the comparison of the calls keeps the
-    undisturbed rounds. ``shuffle``: round r > 0 runs the calls in an order shuffled by a
-    generator seeded with r (reproducible). The A/B scripts (benchmarks/ab_spmm.py) use it: on
-    H100 a median is now and then ~1 us slower than its call's others, and with a fixed or
-    rotated order one call could take that in every round (docs/quant.md, twenty-sixth session)."""
-    times: Dict[str, float] = {}
+    ``fns``, measured round by round with the calls interleaved (:func:`rounds_of`): a disturbance
+    that slows one stretch of time lands on one round of one call, and the comparison of the calls
+    keeps the undisturbed rounds. The A/B scripts (benchmarks/ab_spmm.py) use it with
+    ``shuffle``: on H100 a median is now and then ~1 us slower than its call's others, and with a
+    fixed or rotated order one call could take that in every round (docs/quant.md, twenty-sixth
+    session)."""
+    return {name: min(ts) for name, ts in rounds_of(fns, device, rounds=rounds, shuffle=shuffle, **kwargs).items()}
+
+
+def rounds_of(fns: Dict[str, Callable[[], object]], device: torch.device, *, rounds: int = ROUNDS,
+              shuffle: bool = False, **kwargs) -> Dict[str, List[float]]:
+    """Each of ``fns``'s :func:`median_time` (``kwargs`` as there) in every one of ``rounds``
+    rounds, the calls interleaved round by round: every call is timed in the same stretches of
+    the machine's state, whatever its place in the dict. ``shuffle``: round r > 0 runs the calls in
+    an order shuffled by a generator seeded with r (reproducible)."""
+    times: Dict[str, List[float]] = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
         order = names[:]
         if shuffle and r:
             random.Random(r).shuffle(order)
         for name in order:
-            t = median_time(fns[name], device, **kwargs)
-            times[name] = min(times.get(name, t), t)
+            times[name].append(median_time(fns[name], device, **kwargs))
     return times
 
 

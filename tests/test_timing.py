@@ -1,4 +1,4 @@
-"""spinfer.timing on the CPU: medians of host-clock calls, and least_of_rounds, which the policy's
+"""spinfer.timing on the CPU: medians of host-clock calls, and rounds_of and least_of_rounds (interleaved rounds), which the policy's
 autotune and `spinfer bench policy` compare kernels with."""
 
 import torch
@@ -51,3 +51,19 @@ def test_least_of_rounds_shuffles_rounds_after_the_first(monkeypatch):
         random.Random(r).shuffle(shuffled)
         want += shuffled
     assert order == want and order[4:8] != names
+
+
+def test_rounds_of_times_every_call_in_every_round():
+    """Each call runs twice a round with warmup=1, reps=1 (one untimed call, one timed), in rounds
+    of a shuffled order; each gets one time a round, and bench e2e takes their median (as here)."""
+    import statistics
+    import time as _time
+
+    calls, naps = [], {"a": 0.001, "b": 0.02, "c": 0.0}
+    runs = {k: (lambda k=k: (calls.append(k), _time.sleep(naps[k]))) for k in naps}
+    rounds = timing.rounds_of(runs, torch.device("cpu"), rounds=3, shuffle=True, reps=1, warmup=1,
+                              flush_l2=False, max_seconds=None)
+    assert all(len(ts) == 3 for ts in rounds.values())
+    secs = {k: statistics.median(ts) for k, ts in rounds.items()}
+    assert sorted(calls) == sorted(list(naps) * 6)
+    assert secs["b"] >= 0.02 and 0.001 <= secs["a"] < secs["b"] and secs["c"] < secs["a"]

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import random
 import re
 import statistics
 import sys
-import time
 from collections import Counter
 
 import torch
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 
 import spinfer
 from spinfer.nn import SparseLinear
+from spinfer.timing import rounds_of
 
 
 def rms_norm(x, weight):
@@ -343,34 +342,6 @@ def prefill_runner(model, tokens, hidden, device, graphs: bool):
     return run, tokens
 
 
-def time_interleaved(runs: dict, device, rounds: int) -> dict:
-    """Median seconds of each callable in `runs` over `rounds` rounds, each round in a fresh
-    shuffled order. Every variant is timed in the same state of the machine, whatever its place
-    in the list (timed one after another, the later variants of a run read up to 6% lower, see
-    SETTLE_CAPTURES). Before each timed call one untimed call: its weights in flight, the
-    previous variant's out of L2 (the stacks' weights are far larger than L2, so no flush)."""
-    times = {name: [] for name in runs}
-    cuda = device.type == "cuda"
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(rounds):
-        order = list(runs)
-        random.shuffle(order)
-        for name in order:
-            runs[name]()
-            if cuda:
-                start.record()
-                runs[name]()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                runs[name]()
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def build_variant(base, name, batch):
     """A copy of `base` with its nn.Linear layers replaced as the variant says (dense: base)."""
     if name == "dense":
@@ -407,7 +378,7 @@ def main(argv=None) -> int:
                    help="the step's norms, residual adds, SwiGLU product and mask on CUDA: fused compiled kernels "
                         "(default), only the norms compiled, or torch's kernels")
     p.add_argument("--eager-norms", action="store_const", dest="glue", const="eager", help="same as --glue eager")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds, each over every variant in a shuffled order")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds over every variant, interleaved (the first in list order, the rest shuffled)")
     p.add_argument("--fused", action="store_true",
                    help="q/k/v and gate/up as one projection each, in every variant (dense too)")
     a = p.parse_args(argv)
@@ -429,7 +400,7 @@ def main(argv=None) -> int:
         settle_graph_launches(device)
     print(f"{a.layers} decoder layers, hidden {hidden}, MLP {inter}, {heads}/{kv} heads, {a.steps} greedy steps, "
           f"{'CUDA graphs' if graphs else 'eager'}{', fused qkv and gate_up projections' if a.fused else ''}"
-          f"{f', {a.glue} glue' if device.type == 'cuda' else ''}; median of {a.rounds} shuffled rounds")
+          f"{f', {a.glue} glue' if device.type == 'cuda' else ''}; median of {a.rounds} interleaved rounds")
     print(f"{'variant':<15} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
     torch.manual_seed(0)
 
@@ -440,7 +411,12 @@ def main(argv=None) -> int:
         runs, tokens = {}, {}
         for name, model in models.items():
             runs[name], tokens[name] = runner(model)
-        seconds = time_interleaved(runs, device, a.rounds)
+        # Interleaved rounds, each call after one untimed one (its weights in flight, the previous
+        # variant's out of L2; the stacks' weights are far larger than L2, so no flush): every
+        # variant is timed in the same state of the machine (see SETTLE_CAPTURES).
+        rounds = rounds_of(runs, device, rounds=a.rounds, shuffle=True, reps=1, warmup=1, flush_l2=False,
+                           max_seconds=None)
+        seconds = {name: statistics.median(ts) for name, ts in rounds.items()}
         dense_rate = tokens["dense"] / seconds["dense"] if "dense" in seconds else None
         for name, model in models.items():
             rate = tokens[name] / seconds[name]

@@ -6,9 +6,10 @@ runs of one build, as much as the effects measured (docs/quant.md, thirty-sevent
 
     python benchmarks/ab_e2e.py --variants w4,w2g64 --configs auto,LOWBIT_RING=0,LOWBIT_RING=2 \\
         [--dims 8192,28672,64,8] [--batch 1] [--layers 4] [--steps 64] [--rounds 7] \\
-        [--profile [--dump kernels.json]] [--soak 4]
+        [--glues fused,pdl] [--profile [--dump kernels.json]] [--soak 4]
 
-Prints each graph's tokens/s (the best and the median round) and its ratio to dense. A config item
+Prints each graph's tokens/s (the best and the median round) and its ratio to dense captured with
+the same glue (--glues: every graph, dense included, once per glue mode of e2e.py). A config item
 NODES=P sets the preferred shared-memory carveout P (percent) on every kernel node of the captured
 graph, torch's included, before it is instantiated (the driver API through ctypes). --profile
 lists each graph's kernels with their durations and the idle gaps before them (torch.profiler);
@@ -24,6 +25,7 @@ import time
 import torch
 
 import spinfer
+import spinfer.bench.e2e as e2e
 from spinfer.bench.e2e import Stack, build_variant, capture, settle_graph_launches
 from spinfer.timing import profiled_kernels, rounds_of
 
@@ -97,6 +99,7 @@ def main():
     p.add_argument("--dims", default="4096,14336,32,8", help="hidden, MLP, heads, KV heads (Llama-70B: 8192,28672,64,8)")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--glues", default="fused", help=f"glue modes of e2e.py, each with its own graphs ({', '.join(e2e.GLUES)})")
     p.add_argument("--profile", action="store_true", help="also each graph's kernels, durations and gaps")
     p.add_argument("--dump", default="", help="with --profile: every kernel's name, start and end to this JSON")
     p.add_argument("--soak", type=float, default=0.0,
@@ -111,16 +114,20 @@ def main():
     x = torch.randn(a.batch, 1, hidden, device=dev, dtype=torch.float16)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     settle_graph_launches(dev)  # every figure in the state a process with many graphs is in
-    graphs = {"dense": capture_with(base, x, pos)}
-    models = []  # each graph reads its model's weights: all stay alive
-    for name in a.variants.split(","):
-        model = build_variant(base, name, a.batch)
-        models.append(model)
-        for config in a.configs.split(","):
-            items = config.split("+")
-            nodes = next((int(i[6:]) for i in items if i.startswith("NODES=")), None)
-            apply("+".join(i for i in items if not i.startswith("NODES=")) or "auto")
-            graphs[f"{name} {config}"] = capture_with(model, x, pos, nodes)
+    glues = a.glues.split(",")
+    graphs, dense_of = {}, {}  # label -> graph; label -> the dense graph's label of its glue
+    models = {name: build_variant(base, name, a.batch) for name in a.variants.split(",")}  # kept alive
+    for glue in glues:
+        e2e._GLUE["mode"] = glue
+        tag = f" [{glue}]" if len(glues) > 1 else ""
+        graphs["dense" + tag] = capture_with(base, x, pos)
+        for name, model in models.items():
+            for config in a.configs.split(","):
+                items = config.split("+")
+                nodes = next((int(i[6:]) for i in items if i.startswith("NODES=")), None)
+                apply("+".join(i for i in items if not i.startswith("NODES=")) or "auto")
+                graphs[f"{name} {config}{tag}"] = capture_with(model, x, pos, nodes)
+        dense_of.update({label: "dense" + tag for label in graphs if label not in dense_of})
     apply("auto")
     def steps_of(g):
         def run():
@@ -134,13 +141,13 @@ def main():
                       reps=1, warmup=1, flush_l2=False, max_seconds=None)
     print(f"{torch.cuda.get_device_name(dev)}: {a.layers} fused layers ({a.dims}), batch {a.batch}, {a.steps} steps, "
           f"{a.rounds} shuffled rounds")
-    dense = min(times["dense"])
-    print(f"{'graph':<32} {'tokens/s best':>13} {'median':>9} {'x dense best':>12} {'median':>7}")
+    print(f"{'graph':<40} {'tokens/s best':>13} {'median':>9} {'x dense best':>12} {'median':>7}")
     for label, ts in times.items():
         best, med = min(ts), statistics.median(ts)
+        dense = times[dense_of[label]]
         rate = a.batch * a.steps
-        print(f"{label:<32} {rate / best:>13.1f} {rate / med:>9.1f} {dense / best:>12.3f} "
-              f"{statistics.median(times['dense']) / med:>7.3f}")
+        print(f"{label:<40} {rate / best:>13.1f} {rate / med:>9.1f} {min(dense) / best:>12.3f} "
+              f"{statistics.median(dense) / med:>7.3f}")
     for label, g in graphs.items() if a.soak > 0 else ():
         torch.cuda.synchronize()
         t0, n = time.time(), 0

@@ -54,7 +54,7 @@ if [[ " $steps " == *" bench-to-dense "* ]]; then
     sed -n '/^crossover/,$p' "$OUT/bench-to-dense.log"
 fi
 if [[ " $steps " == *" e2e "* ]]; then
-    # decode through 4 Llama-shaped layers, dense against 50% / 70% sparse and 4-bit, batch 1
+    # decode through 4 Llama-shaped layers, dense against 50% / 70% sparse and 4-bit, batch 1 (the default glue: pdl on sm_90)
     python3 -m spinfer.bench e2e --fused --variants dense,sparse50,sparse70,w4 --batches 1 >"$OUT/e2e.log" 2>&1 || status=1
     grep -E "^(variant|dense|sparse[0-9]+|w4) " "$OUT/e2e.log"
 fi

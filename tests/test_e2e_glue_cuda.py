@@ -1,6 +1,7 @@
 """The end-to-end benchmark's glue on a GPU: the fused compiled kernels (residual add inside the
-next norm, SwiGLU product, mask) give what torch's kernels give, in eager steps and in a replayed
-CUDA graph, with the keys and values written to the shared cache. Skipped without a GPU."""
+next norm, SwiGLU product, mask) and the Triton kernels that trigger programmatic dependent launch
+(pdl_glue.py, sm_90+) give what torch's kernels give, in eager steps and in a replayed CUDA graph,
+with the keys and values written to the shared cache. Skipped without a GPU."""
 
 import copy
 
@@ -8,13 +9,17 @@ import pytest
 import torch
 
 import spinfer.bench.e2e as e2e
+from spinfer.bench import pdl_glue
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.cuda
 
 
+@pytest.mark.parametrize("glue", ["fused", "pdl"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_fused_glue_equals_torch_kernels(monkeypatch, fused):
+def test_fused_glue_equals_torch_kernels(monkeypatch, fused, glue):
+    if glue == "pdl" and not pdl_glue.available("cuda"):
+        pytest.skip("needs Triton and compute capability 9.0+")
     torch.manual_seed(4)
     dev = torch.device("cuda")
     stack = e2e.Stack(2, 256, 512, 8, 2, 9, 3, fused).to(dev, torch.float16)
@@ -30,9 +35,9 @@ def test_fused_glue_equals_torch_kernels(monkeypatch, fused):
         for step in range(4):
             h = ref(h, torch.tensor([step], device=dev))
             steps.append(h.clone())
-        monkeypatch.setattr(e2e, "_GLUE", {"mode": "fused"})
+        monkeypatch.setattr(e2e, "_GLUE", {"mode": glue})
         run, tokens = e2e.decode_runner(stack, 3, 256, 4, dev, graphs=True)  # compiles, captures
-        assert tokens == 12 and e2e._GLUE["mode"] == "fused"
+        assert tokens == 12 and e2e._GLUE["mode"] == glue
     # The runner's graph starts from its own random x; replay one from ours (capture's warm-up
     # steps move x on, so it is put back; they also write cache slots the replays rewrite first).
     x0 = x.clone()
@@ -44,3 +49,28 @@ def test_fused_glue_equals_torch_kernels(monkeypatch, fused):
         assert rel_err(x, steps[step]) < 2e-3, step
     torch.testing.assert_close(stack.layers[0].kv_cache[:, :, :, :4], ref.layers[0].kv_cache[:, :, :, :4],
                                atol=2e-2, rtol=2e-2)
+
+
+def test_pdl_glue_kernels_match_torch():
+    """Each PDL glue kernel against torch on odd widths, rows and a strided SwiGLU input (eager;
+    the graph test above covers capture)."""
+    if not pdl_glue.available("cuda"):
+        pytest.skip("needs Triton and compute capability 9.0+")
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    for d, rows in ((4096, 1), (1000, 7), (256, 16)):
+        x = torch.randn(rows, 1, d, device=dev, dtype=torch.float16)
+        r = torch.randn_like(x)
+        w = (torch.rand(d, device=dev) + 0.5).half()
+        poison = (torch.full_like(x, float("nan")), torch.full_like(x, float("nan")))
+        s, y = pdl_glue.add_rms_norm(x, r, w, out=poison)
+        assert s.data_ptr() == poison[0].data_ptr() and y.data_ptr() == poison[1].data_ptr()
+        s_ref = x + r
+        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # the sum is rounded as torch rounds it
+        assert rel_err(y, e2e.rms_norm(s_ref.float(), w.float())) < 2e-3
+        assert rel_err(pdl_glue.rms_norm(x, w), e2e.rms_norm(x.float(), w.float())) < 2e-3
+        gu = torch.randn(rows, 1, 2 * d + 6, device=dev, dtype=torch.float16)[..., : 2 * d]  # rows strided
+        gate, up = gu.chunk(2, dim=-1)
+        out = pdl_glue.silu_mul(gate, up, out=torch.full(gate.shape, float("nan"), device=dev, dtype=gate.dtype))
+        assert out.shape == gate.shape and out.is_contiguous()
+        assert rel_err(out, e2e.silu_mul(gate.float(), up.float())) < 2e-3

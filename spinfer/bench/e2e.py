@@ -11,10 +11,11 @@ replayed; tokens per second = batch * steps / time. With --prefill, one prompt o
 (batch 1, causal attention over it, also a replayed CUDA graph) goes through the same stacks: prompt
 tokens per second, where the linear layers see N = the prompt length. Attention, norms and
 everything else are the same in every variant (copies of one stack); only the nn.Linear layers
-are replaced. The glue between the linear layers runs as fused compiled kernels on CUDA (--glue).
+are replaced. The glue between the linear layers runs as fused kernels on CUDA (--glue): Triton
+kernels that let the next layer kernel launch early on sm_90+, compiled ones elsewhere.
 Every variant is built and captured first, then all are timed in shuffled rounds (median).
 
-    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048] [--glue fused|norms|eager] [--rounds 5]
+    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048] [--glue fused|pdl|norms|eager] [--rounds 5]
     python benchmarks/bench_e2e.py ...      (same)
     spinfer bench e2e --tiny --device cpu   (a small smoke run of the same code, no graphs)
 """
@@ -33,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spinfer
+from spinfer.bench import pdl_glue
 from spinfer.nn import SparseLinear
 from spinfer.timing import rounds_of
 
@@ -59,14 +61,19 @@ def additive_mask(positions, pos, like):
     return torch.where(positions > pos, float("-inf"), 0.0).to(like.dtype).view(1, 1, 1, -1)
 
 
-# The step's glue on CUDA. "fused" (default): each function above is one torch.compile'd kernel.
+# The step's glue on CUDA. "fused" (this module's default): each function above is one
+# torch.compile'd kernel.
 # torch's own RMSNorm kernel took 6.3 us for one 4096-wide row on H100, and the residual adds,
 # SiLU, product and mask a kernel each (~1.4 us plus a ~0.45 us launch gap in a graph); serving
 # engines fuse them too, and every variant runs the same glue, so only the shared part of a step
 # shrinks (docs/benchmarks.md). "norms": only RMSNorm compiled, the rest torch's kernels (the
 # nineteenth to thirty-ninth sessions' glue, but for the one KV-cache write and the mask's
-# kernels). "eager": torch's kernels throughout. The CPU always runs the functions eagerly.
+# kernels). "eager": torch's kernels throughout. "pdl" (the command's default where it runs, sm_90+):
+# the norms and the SwiGLU product as Triton kernels that let the next kernel launch before they
+# end, so a layer kernel's weight copies overlap them (pdl_glue.py), the mask compiled. The CPU
+# always runs the functions eagerly.
 _GLUE = {"mode": "fused"}
+GLUES = ("pdl", "fused", "norms", "eager")
 _COMPILED: dict = {}  # function name -> its compiled form
 
 
@@ -75,6 +82,8 @@ def _glue(fn, *args):
     mode = _GLUE["mode"]
     if not args[0].is_cuda or mode == "eager" or (mode == "norms" and fn is not rms_norm):
         return fn(*args)
+    if mode == "pdl" and fn.__name__ in pdl_glue.KERNELS:
+        return pdl_glue.KERNELS[fn.__name__](*args)
     return _compiled_call(fn, *args)
 
 
@@ -108,7 +117,7 @@ class RMSNorm(nn.Module):
         """(x + r, its norm); r None: (x, norm(x))."""
         if r is None:
             return x, self(x)
-        if _GLUE["mode"] == "fused":
+        if _GLUE["mode"] in ("fused", "pdl"):
             return _glue(add_rms_norm, x, r, self.weight)
         s = x + r
         return s, self(s)
@@ -374,9 +383,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="hidden 256, MLP 512, 8/2 heads: a smoke run")
     p.add_argument("--no-graphs", action="store_true")
-    p.add_argument("--glue", choices=("fused", "norms", "eager"), default="fused",
-                   help="the step's norms, residual adds, SwiGLU product and mask on CUDA: fused compiled kernels "
-                        "(default), only the norms compiled, or torch's kernels")
+    p.add_argument("--glue", choices=GLUES, default=None,
+                   help="the step's norms, residual adds, SwiGLU product and mask on CUDA: Triton kernels that let "
+                        "the next layer launch early (pdl; the default with Triton on sm_90+), fused compiled kernels "
+                        "(fused; the default elsewhere), only the norms compiled, or torch's kernels")
     p.add_argument("--eager-norms", action="store_const", dest="glue", const="eager", help="same as --glue eager")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds over every variant, interleaved (the first in list order, the rest shuffled)")
     p.add_argument("--fused", action="store_true",
@@ -390,6 +400,12 @@ def main(argv=None) -> int:
     batches = [int(v) for v in a.batches.split(",")] if a.batches else []
     prompts = [int(v) for v in a.prefill.split(",")] if a.prefill else []
     variants = a.variants.split(",")
+    pdl = device.type == "cuda" and torch.cuda.is_available() and pdl_glue.available(device)
+    if a.glue is None:
+        a.glue = "pdl" if pdl else "fused"
+    elif a.glue == "pdl" and device.type == "cuda" and not pdl:
+        print("bench_e2e: --glue pdl needs Triton and compute capability 9.0+; fused glue instead", file=sys.stderr)
+        a.glue = "fused"
     _GLUE["mode"] = a.glue
     dtype = torch.float16
     graphs = device.type == "cuda" and not a.no_graphs

@@ -115,6 +115,9 @@ def main():
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     settle_graph_launches(dev)  # every figure in the state a process with many graphs is in
     glues = a.glues.split(",")
+    for glue in glues:
+        if glue not in e2e.GLUES or (glue == "pdl" and not e2e.pdl_glue.available(dev)):
+            raise SystemExit(f"ab_e2e: glue {glue!r} is not one of {e2e.GLUES} or needs Triton on sm_90+ (pdl)")
     graphs, dense_of = {}, {}  # label -> graph; label -> the dense graph's label of its glue
     models = {name: build_variant(base, name, a.batch) for name in a.variants.split(",")}  # kept alive
     for glue in glues:

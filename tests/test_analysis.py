@@ -386,3 +386,18 @@ def test_e2e_stack_adds_each_residual_in_the_next_norm():
         for a, b in zip(stack.layers, ref.layers):
             torch.testing.assert_close(a.kv_cache, b.kv_cache)
             assert a.kv_cache[:, :, :, 3:].abs().sum() == 0 and a.kv_cache[:, :, :, :3].abs().sum() > 0
+
+
+def test_pdl_glue_replaces_e2e_functions_by_name():
+    """e2e._glue dispatches the pdl glue by function name: every kernel must name one of e2e's
+    glue functions with the same parameters, or a rename would silently drop it."""
+    import inspect
+
+    import spinfer.bench.e2e as e2e
+    from spinfer.bench import pdl_glue
+
+    for name, kernel in pdl_glue.KERNELS.items():
+        fn = getattr(e2e, name)
+        assert list(inspect.signature(fn).parameters) == [
+            p.name for p in inspect.signature(kernel).parameters.values()
+            if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD], name

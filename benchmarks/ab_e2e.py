@@ -6,12 +6,14 @@ runs of one build, as much as the effects measured (docs/quant.md, thirty-sevent
 
     python benchmarks/ab_e2e.py --variants w4,w2g64 --configs auto,LOWBIT_RING=0,LOWBIT_RING=2 \\
         [--dims 8192,28672,64,8] [--batch 1] [--layers 4] [--steps 64] [--rounds 7] \\
-        [--glues fused,pdl] [--profile [--dump kernels.json]] [--soak 4]
+        [--glues fused,pdl,pdl-sdpa] [--profile [--dump kernels.json]] [--soak 4]
 
 Prints each graph's tokens/s (the best and the median round) and its ratio to dense captured with
-the same glue (--glues: every graph, dense included, once per glue mode of e2e.py). A config item
-NODES=P sets the preferred shared-memory carveout P (percent) on every kernel node of the captured
-graph, torch's included, before it is instantiated (the driver API through ctypes). --profile
+the same glue (--glues: every graph, dense included, once per glue mode of e2e.py; "pdl-sdpa" is
+the pdl glue with torch's index_copy_, SDPA and mask for the attention step instead of its Triton
+kernel, pdl_glue.decode_attention). A config item NODES=P sets the preferred shared-memory carveout
+P (percent) on every kernel node of the captured graph, torch's included, before it is
+instantiated (the driver API through ctypes). --profile
 lists each graph's kernels with their durations and the idle gaps before them (torch.profiler);
 --soak replays each graph for a while, printing wall-clock times to line up with a clock log
 (nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50).
@@ -116,12 +118,19 @@ def main():
     settle_graph_launches(dev)  # every figure in the state a process with many graphs is in
     glues = a.glues.split(",")
     for glue in glues:
-        if glue not in e2e.GLUES or (glue == "pdl" and not e2e.pdl_glue.available(dev)):
-            raise SystemExit(f"ab_e2e: glue {glue!r} is not one of {e2e.GLUES} or needs Triton on sm_90+ (pdl)")
+        mode = "pdl" if glue == "pdl-sdpa" else glue
+        if mode not in e2e.GLUES or (mode == "pdl" and not e2e.pdl_glue.available(dev)):
+            raise SystemExit(f"ab_e2e: glue {glue!r} is not one of {e2e.GLUES + ('pdl-sdpa',)} or needs Triton on "
+                             f"sm_90+ (pdl)")
     graphs, dense_of = {}, {}  # label -> graph; label -> the dense graph's label of its glue
     models = {name: build_variant(base, name, a.batch) for name in a.variants.split(",")}  # kept alive
+    attention = e2e.pdl_glue.KERNELS.get("decode_attention")
     for glue in glues:
-        e2e._GLUE["mode"] = glue
+        e2e._GLUE["mode"] = "pdl" if glue == "pdl-sdpa" else glue
+        if glue == "pdl-sdpa":  # captured without the attention kernel (e2e._attention_kernel)
+            e2e.pdl_glue.KERNELS.pop("decode_attention", None)
+        elif attention is not None:
+            e2e.pdl_glue.KERNELS["decode_attention"] = attention
         tag = f" [{glue}]" if len(glues) > 1 else ""
         graphs["dense" + tag] = capture_with(base, x, pos)
         for name, model in models.items():

@@ -363,11 +363,16 @@ def test_e2e_glue_falls_back_to_torch_when_compile_fails(monkeypatch, capsys):
     assert e2e._GLUE["mode"] == "eager" and "torch.compile of add_rms_norm failed" in capsys.readouterr().err
 
 
-def test_e2e_stack_adds_each_residual_in_the_next_norm():
+@pytest.mark.parametrize("glue", ["eager", "pdl"])
+def test_e2e_stack_adds_each_residual_in_the_next_norm(monkeypatch, glue):
     """The Stack's step, which leaves each layer's MLP output to be added inside the next layer's
-    norm, equals running the layers one after another, and writes the same caches."""
+    norm, equals running the layers one after another, and writes the same caches. With the pdl
+    glue the step's attention is e2e.decode_attention (on the CPU: index_copy_ and SDPA with a mask
+    made from pos); the layers' reference below runs the eager glue's SDPA on the cache views."""
+    import spinfer.bench.e2e as e2e
     from spinfer.bench.e2e import Stack
 
+    monkeypatch.setattr(e2e, "_GLUE", {"mode": glue})
     torch.manual_seed(3)
     hidden, inter, heads, kv, max_len, batch = 64, 96, 8, 2, 5, 2
     for fused in (False, True):
@@ -380,8 +385,10 @@ def test_e2e_stack_adds_each_residual_in_the_next_norm():
                 mask = torch.zeros(max_len, dtype=torch.float64).masked_fill(torch.arange(max_len) > step,
                                                                               float("-inf")).view(1, 1, 1, -1)
                 h = x
+                e2e._GLUE["mode"] = "eager"
                 for layer in ref.layers:
                     h = layer(h, pos, mask)
+                e2e._GLUE["mode"] = glue
                 torch.testing.assert_close(stack(x, pos), ref.norm(h))
         for a, b in zip(stack.layers, ref.layers):
             torch.testing.assert_close(a.kv_cache, b.kv_cache)

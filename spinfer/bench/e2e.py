@@ -5,7 +5,7 @@ groups of 64). A "+tuned" variant ("sparse50+tuned", "w4+tuned") first measures 
 split-K factor at the batch (spinfer.tuning).
 
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
-and grouped-query SDPA over it), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
+and grouped-query SDPA over it; with the pdl glue one Triton kernel that also writes the cache), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
 download. One decode step for a batch (1, 8, 16 sequences) is captured in a CUDA graph and
 replayed; tokens per second = batch * steps / time. With --prefill, one prompt of each length
 (batch 1, causal attention over it, also a replayed CUDA graph) goes through the same stacks: prompt
@@ -55,6 +55,21 @@ def silu_mul(gate, up):
     return F.silu(gate) * up
 
 
+def decode_attention(q, k, v, kv_cache, pos):
+    """One decode step's attention, the pdl glue's reference (its kernel does the same in one
+    launch): the step's keys and values k, v [B, 1, kv_heads * hd] written into kv_cache
+    [2, B, kv_heads, L, hd] at pos, then grouped-query SDPA of q [B, 1, heads * hd] over the cache
+    positions <= pos. q, k and v may be row-strided views of one projection's output. Returns
+    [B, 1, heads * hd], ready for o_proj."""
+    b, kvh, hd = q.shape[0], kv_cache.shape[2], kv_cache.shape[-1]
+    for i, new in enumerate((k, v)):
+        kv_cache[i].index_copy_(2, pos, new.reshape(b, 1, kvh, hd).transpose(1, 2).to(kv_cache.dtype))
+    positions = torch.arange(kv_cache.shape[3], device=q.device)
+    a = F.scaled_dot_product_attention(q.reshape(b, 1, -1, hd).transpose(1, 2), kv_cache[0], kv_cache[1],
+                                       attn_mask=additive_mask(positions, pos, q), enable_gqa=True)
+    return a.transpose(1, 2).reshape(b, 1, -1)
+
+
 def additive_mask(positions, pos, like):
     """[1, 1, 1, L] in like's dtype: 0 where a cache position is attended (<= pos), -inf past it.
     Attention takes it as is (a boolean mask was converted to an additive one in every layer)."""
@@ -69,9 +84,9 @@ def additive_mask(positions, pos, like):
 # shrinks (docs/benchmarks.md). "norms": only RMSNorm compiled, the rest torch's kernels (the
 # nineteenth to thirty-ninth sessions' glue, but for the one KV-cache write and the mask's
 # kernels). "eager": torch's kernels throughout. "pdl" (the command's default where it runs, sm_90+):
-# the norms and the SwiGLU product as Triton kernels that let the next kernel launch before they
-# end, so a layer kernel's weight copies overlap them (pdl_glue.py), the mask compiled. The CPU
-# always runs the functions eagerly.
+# the norms, the SwiGLU product and the attention step (cache write included, no mask) as Triton
+# kernels that let the next kernel launch before they end, so a layer kernel's weight copies
+# overlap them (pdl_glue.py). The CPU always runs the functions eagerly.
 _GLUE = {"mode": "fused"}
 GLUES = ("pdl", "fused", "norms", "eager")
 _COMPILED: dict = {}  # function name -> its compiled form
@@ -85,6 +100,13 @@ def _glue(fn, *args):
     if mode == "pdl" and fn.__name__ in pdl_glue.KERNELS:
         return pdl_glue.KERNELS[fn.__name__](*args)
     return _compiled_call(fn, *args)
+
+
+def _attention_kernel() -> bool:
+    """Whether the step's attention is decode_attention (the pdl glue's kernel on CUDA) rather than
+    index_copy_ and SDPA under a mask made once a step. benchmarks/ab_e2e.py's "pdl-sdpa" glue
+    takes the kernel out of pdl_glue.KERNELS to measure the PDL glue without it."""
+    return _GLUE["mode"] == "pdl" and "decode_attention" in pdl_glue.KERNELS
 
 
 def _compiled_call(fn, *args):
@@ -170,26 +192,37 @@ class DecoderLayer(nn.Module):
             kv = tuple(p(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2) for p in (self.k_proj, self.v_proj))
         return q.reshape(b, t, self.heads, self.hd).transpose(1, 2), kv
 
+    def _qkv_rows(self, h):
+        """h [B, T, H] -> q [B, T, heads * hd], k and v [B, T, kv_heads * hd]: views of the fused
+        projection's output, or the three projections' outputs."""
+        if not self.fused:
+            return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        qkv = self.qkv_proj(h)
+        dq, dkv = self.heads * self.hd, self.kv_heads * self.hd
+        return qkv[..., :dq], qkv[..., dq:dq + dkv], qkv[..., dq + dkv:]
+
     def _mlp(self, x, a):
-        """The attention output a [B, heads, T, hd] -> (x + o_proj(a), the MLP's output): the MLP's
+        """The attention output a [B, T, heads * hd] -> (x + o_proj(a), the MLP's output): the MLP's
         residual add is left to the next norm's kernel (Stack)."""
-        b, t = x.shape[:2]
-        x, h = self.norm2.add_forward(x, self.o_proj(a.transpose(1, 2).reshape(b, t, -1)))
+        x, h = self.norm2.add_forward(x, self.o_proj(a))
         if self.fused:
             m = _glue(silu_mul, *self.gate_up_proj(h).chunk(2, dim=-1))
         else:
             m = _glue(silu_mul, self.gate_proj(h), self.up_proj(h))
         return x, self.down_proj(m)
 
-    def _rest(self, x, a):  # the layer's output from its attention output
-        x, m = self._mlp(x, a)
+    def _rest(self, x, a):  # the layer's output from its attention output a [B, heads, T, hd]
+        x, m = self._mlp(x, a.transpose(1, 2).reshape(*x.shape[:2], -1))
         return x + m
 
     def step(self, x, pending, pos, mask):
         """One decode step, x [B, 1, H] with the previous layer's MLP output `pending` not yet added
         (None: nothing pending) -> (x, this layer's MLP output: the next layer's pending). pos:
-        1-element long tensor; mask [1, 1, 1, L]: True or 0.0 where a cache position is attended."""
+        1-element long tensor; mask [1, 1, 1, L]: True or 0.0 where a cache position is attended
+        (unused with the pdl glue, whose attention step reads pos)."""
         x, h = self.norm1.add_forward(x, pending)
+        if _attention_kernel():  # cache write and attention in one kernel on CUDA
+            return self._mlp(x, _glue(decode_attention, *self._qkv_rows(h), self.kv_cache, pos))
         q, kv = self._qkv(h)
         if isinstance(kv, torch.Tensor):
             self.kv_cache.index_copy_(3, pos, kv)
@@ -199,7 +232,7 @@ class DecoderLayer(nn.Module):
         # Grouped-query attention straight on the cache (enable_gqa), not on a copy of it with each
         # KV head repeated for its query heads: that copy was two extra kernels a layer.
         a = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
-        return self._mlp(x, a)
+        return self._mlp(x, a.transpose(1, 2).reshape(*x.shape[:2], -1))
 
     def forward(self, x, pos, mask):
         x, m = self.step(x, None, pos, mask)
@@ -227,7 +260,8 @@ class Stack(nn.Module):
         self.register_buffer("positions", torch.arange(max_len), persistent=False)
 
     def forward(self, x, pos):
-        mask = _glue(additive_mask, self.positions, pos, x)  # made once a step
+        # made once a step; the pdl glue's attention kernel masks by pos itself
+        mask = None if _attention_kernel() else _glue(additive_mask, self.positions, pos, x)
         pending = None  # each layer's MLP output is added inside the next norm's kernel
         for layer in self.layers:
             x, pending = layer.step(x, pending, pos, mask)

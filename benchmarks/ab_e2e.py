@@ -140,6 +140,8 @@ def main():
                 apply("+".join(i for i in items if not i.startswith("NODES=")) or "auto")
                 graphs[f"{name} {config}{tag}"] = capture_with(model, x, pos, nodes)
         dense_of.update({label: "dense" + tag for label in graphs if label not in dense_of})
+    if attention is not None:  # every graph is captured: the module as it was
+        e2e.pdl_glue.KERNELS["decode_attention"] = attention
     apply("auto")
     def steps_of(g):
         def run():

@@ -5,9 +5,9 @@ groups of 64). A "+tuned" variant ("sparse50+tuned", "w4+tuned") first measures 
 split-K factor at the batch (spinfer.tuning).
 
 Each layer: RMSNorm, attention (32 query heads, 8 KV heads, head dim 128, a static KV cache
-and grouped-query SDPA over it; with the pdl glue one Triton kernel that also writes the cache), RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no
-download. One decode step for a batch (1, 8, 16 sequences) is captured in a CUDA graph and
-replayed; tokens per second = batch * steps / time. With --prefill, one prompt of each length
+and grouped-query SDPA over it; with the pdl glue one Triton kernel that also writes the cache),
+RMSNorm, SwiGLU MLP (hidden 4096, intermediate 14336); random weights, no download. One decode
+step for a batch (1, 8, 16 sequences) is captured in a CUDA graph and replayed; tokens per second = batch * steps / time. With --prefill, one prompt of each length
 (batch 1, causal attention over it, also a replayed CUDA graph) goes through the same stacks: prompt
 tokens per second, where the linear layers see N = the prompt length. Attention, norms and
 everything else are the same in every variant (copies of one stack); only the nn.Linear layers

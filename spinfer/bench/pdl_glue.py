@@ -89,7 +89,7 @@ if triton is not None:
         v_new = tl.load(v_ptr + b * stride_v + h * HD + d)
         k_cache = c_ptr + (b * KV_HEADS + h) * max_len * HD
         v_cache = c_ptr + ((batch + b) * KV_HEADS + h) * max_len * HD
-        in_cache = (d < HD) & (pos >= 0) & (pos < max_len)
+        in_cache = (d < HD) & (pos >= 0) & (pos < max_len)  # (d < HD: the scalar test as a row mask)
         tl.store(k_cache + pos * HD + d, k_new, mask=in_cache)
         tl.store(v_cache + pos * HD + d, v_new, mask=in_cache)
         q = tl.load(q_ptr + b * stride_q + heads[:, None] * HD + d[None, :], mask=(g < GROUP)[:, None], other=0.0)

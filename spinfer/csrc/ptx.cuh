@@ -285,22 +285,30 @@ __device__ __forceinline__ void prefetch_tensormap(const void* map) {
 #endif
 }
 
-__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-#endif
-  return done != 0;
+// The block barrier (barrier 0, every thread of the block) for warp-specialized loops that reach
+// it from different code: the producer's loop and the decoding warps' loop each execute it once
+// a step. __syncthreads() compiles to bar.sync, the .aligned form, which requires every thread of
+// the block to execute the same instruction; barrier.sync without .aligned does not. Each warp
+// reconverges first, so the barrier still counts whole warps (compute-sanitizer's synccheck
+// flagged the producer warp's lanes arriving apart without it).
+__device__ __forceinline__ void bar_sync_block() {
+  __syncwarp();
+  asm volatile("barrier.sync 0;\n" ::: "memory");
 }
 
-// Blocks until the barrier's phase with this parity has completed.
+// Blocks until the barrier's phase with this parity has completed. The retry loop is inside the
+// asm: written as a C++ loop around try_wait, it cost a convergence region (BSSY/BSYNC) and the
+// barrier's shared address rebuilt on every call, ~5 instructions a stage in the SMBD loop.
+__device__ __forceinline__ void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
-  while (!mbarrier_try_wait_parity(bar, parity)) {
-  }
+  mbarrier_wait_parity(smem_addr(bar), parity);
 }
 
 // ---- sm_90: programmatic dependent launch. A kernel launched with programmatic stream

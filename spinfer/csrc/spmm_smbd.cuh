@@ -61,7 +61,8 @@ constexpr int kPackStride = 20;
 constexpr int kPackPerGt = 2 * kPackStride;
 
 // Shared memory of one block: `stages` stages, each holding two bitmaps (1 KB), a value buffer
-// for two runs and one x slice [x_rows][kXStride]; then the GroupTile offsets of the block. The
+// for two runs and one x slice [x_rows][kXStride]; then the GroupTile offsets of the block and
+// its stage table (stage_pair, 8 bytes per GroupTile pair). The
 // value buffer holds 2 * value_cap elements, value_cap being the weight's longest run
 // (TCABME.max_run) rather than a dense GroupTile: ~2.2k values instead of 4096 at 50% sparsity.
 // The x slice has only min(BN, N) rows, so at N=1 a stage is 1.9 KB smaller: the B fragments of
@@ -78,8 +79,11 @@ struct Layout {
         stage_bytes(x_offset + (n < BN ? n : BN) * kXStride * 2),  // 272 B rows: 16-byte aligned
         stages(n_stages) {}
   __host__ __device__ int offsets_offset() const { return stages * stage_bytes; }
-  __host__ __device__ int smem_bytes(int k_per_split) const {
+  __host__ __device__ int pairs_offset(int k_per_split) const {
     return offsets_offset() + ((k_per_split + 1) * 4 + 15) / 16 * 16;
+  }
+  __host__ __device__ int smem_bytes(int k_per_split) const {
+    return pairs_offset(k_per_split) + ((k_per_split + kPair - 1) / kPair * 8 + 15) / 16 * 16;
   }
 };
 
@@ -128,6 +132,18 @@ __device__ __forceinline__ PairRuns pair_runs(const int* s_off, int nk, int p, i
   return r;
 }
 
+// What the decoding warps need of a stage's runs, made once per block into a table in shared
+// memory, so a stage costs them one 8-byte load instead of the offsets' loads, clamps and
+// subtractions (~10 instructions a stage):
+//   x = last0 | last1 << 16: the last index of each run (0 for an empty one), the decode's clamp
+//       targets, in the 16-bit fields the packed prefixes use, so one __vminu2 clamps both;
+//   y = split | gts << 16: where the second run starts, and the stage's GroupTiles (1 or 2).
+// Every field fits 16 bits: pair_runs clamps a stage's runs to 2 * value_cap <= 8192 values.
+__device__ __forceinline__ uint2 stage_pair(const PairRuns& r) {
+  const uint32_t last0 = max(r.split - 1, 0), last1 = max(r.total - r.split - 1, 0);
+  return make_uint2(last0 | last1 << 16, static_cast<uint32_t>(r.split) | static_cast<uint32_t>(r.gts) << 16);
+}
+
 // How a lane turns one bitmap half-word into an A-fragment register (two fp16/bf16 values):
 //   kept = bits << (30 - lp), as a multiply on the FMA pipe, keeps the bits up to and including
 //   the lane's pair, with the pair {b0, b1} at bits 30 and 31. e = popc(kept) is then the index
@@ -163,13 +179,12 @@ __device__ __forceinline__ uint32_t pair_selector(uint32_t kept) {
 // the x slice, at this GroupTile's columns.
 template <bool kBF16, int BN, bool kLean>
 __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* vals, int last,
-                                          const uint32_t (&xa)[BN / 8], int gt, int lane, float (&acc)[BN / 8][4]) {
+                                          const uint32_t (&xa)[BN / 8], int gt, int lane, uint32_t to_top,
+                                          float (&acc)[BN / 8][4]) {
   // Lane geometry of the m16n8k16 fragments: group g = lane/4 owns row g (and g+8) of A; in a
   // BitmapTile word that row and column pair are bits 2*lane and 2*lane+1: lanes 0-15 read the
   // low 32-bit half, lanes 16-31 the high one.
   const int hi = lane >> 4;
-  const int lp = 2 * (lane & 15);
-  const uint32_t to_top = 1u << (30 - lp);  // moves this lane's two bits to bits 30 and 31
   const uint4* pk = reinterpret_cast<const uint4*>(pack + hi * kPackStride);
 
 #pragma unroll
@@ -211,12 +226,12 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
 }
 
 // Decodes and multiplies this warp's TCTile row of the stage's GroupTiles (one or two).
-//   bm32: the stage's bitmaps as 2 x 128 half-words; vals: the two runs, the second at
-//   r.split (with kValueSlack readable elements past r.total); pack: 2 x kPackPerGt pairs.
+//   bm32: the stage's bitmaps as 2 x 128 half-words; vals: the two runs, the second at the
+//   split of `pr` (stage_pair; kValueSlack readable elements past both); pack: 2 x kPackPerGt pairs.
 template <bool kBF16, int BN, bool kLean>
-__device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const PairRuns& r,
+__device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const uint2 pr,
                                              const uint32_t (&xa)[BN / 8], uint2* pack, int warp, int lane,
-                                             float (&acc)[BN / 8][4]) {
+                                             uint32_t to_top, float (&acc)[BN / 8][4]) {
   // Exclusive PopCount prefix of every 32-bit half-word of this warp's 16 words, relative to
   // its run, for both GroupTiles at once: the two counts travel packed in 16-bit fields (at
   // most 4096 each) through one reduction and one 5-step scan. The second GroupTile's bitmap
@@ -236,22 +251,23 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
   incl = ptx::scan_up_add<8>(incl);
   incl = ptx::scan_up_add<16>(incl);
   const uint32_t excl = before + incl - cnt;  // per field: no borrow, incl >= cnt
-  const int p0 = excl & 0xffff, p1 = excl >> 16;
-  const int last0 = max(r.split - 1, 0), last1 = max(r.total - r.split - 1, 0);  // clamp targets
+  const uint32_t split = pr.y & 0xffff;
   // Publish {bits, prefix}: the decode fetches both with one broadcast load per two words.
   __syncwarp();  // every lane is done reading the previous stage's pairs
   const int slot = (lane & 1) * kPackStride + lane / 2;  // word lane/2, half lane%2
   if constexpr (kLean) {  // the prefix as the shared address of its first value, clamped once
+    const uint32_t clamped = __vminu2(excl, pr.x);    // both GroupTiles' prefixes, field by field
     const uint32_t base = ptx::smem_addr(vals) - 4u;  // the decode reads values[e - 2]
-    pack[slot] = make_uint2(h0, base + 2u * static_cast<uint32_t>(min(p0, last0)));
-    pack[kPackPerGt + slot] = make_uint2(h1, base + 2u * static_cast<uint32_t>(r.split + min(p1, last1)));
+    pack[slot] = make_uint2(h0, base + 2u * (clamped & 0xffff));
+    pack[kPackPerGt + slot] = make_uint2(h1, base + 2u * (split + (clamped >> 16)));
   } else {
-    pack[slot] = make_uint2(h0, static_cast<uint32_t>(p0));
-    pack[kPackPerGt + slot] = make_uint2(h1, static_cast<uint32_t>(p1));
+    pack[slot] = make_uint2(h0, excl & 0xffff);
+    pack[kPackPerGt + slot] = make_uint2(h1, excl >> 16);
   }
   __syncwarp();
-  decode_gt<kBF16, BN, kLean>(pack, vals, last0, xa, 0, lane, acc);
-  if (r.gts == kPair) decode_gt<kBF16, BN, kLean>(pack + kPackPerGt, vals + r.split, last1, xa, 1, lane, acc);
+  decode_gt<kBF16, BN, kLean>(pack, vals, pr.x & 0xffff, xa, 0, lane, to_top, acc);
+  if (pr.y >> 16 == kPair)
+    decode_gt<kBF16, BN, kLean>(pack + kPackPerGt, vals + split, pr.x >> 16, xa, 1, lane, to_top, acc);
 }
 
 // Resident blocks the register allocation must allow (__launch_bounds__' second argument). The
@@ -307,6 +323,11 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
       }
     }
     __syncthreads();
+    // The stage table (stage_pair), made by the decoding warps while the producer issues its first
+    // copies; the first barrier of the stage loop publishes it.
+    uint2* s_pairs = reinterpret_cast<uint2*>(smem + lay.pairs_offset(k_per_split));
+    if (tid < kWarps * 32)
+      for (int q = tid; q < np; q += kWarps * 32) s_pairs[q] = stage_pair(pair_runs(s_off, b.nk, q, args.value_cap));
 
     // The producer warp. Bitmaps and value runs: bulk copies that lane 0 issues and counts on the
     // stage's mbarrier. The x rows: 16-byte cp.async from every lane (lane l takes chunk l % 16
@@ -390,38 +411,46 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     for (int nb = 0; nb < BN / 8; ++nb)
       x_lane[nb] = lay.x_offset + min(nb * 8 + lane % 8, b.valid_rows - 1) * kXStride * 2 +
                    (16 * (lane / 16) + 8 * ((lane / 8) % 2)) * 2;
+    // Moves this lane's two bits of a BitmapTile half-word to bits 30 and 31 (decode_gt): pinned
+    // in a register, where the compiler rebuilt it from the lane index every stage.
+    uint32_t to_top = 1u << (30 - 2 * (lane & 15));
+    asm volatile("" : "+r"(to_top));
     auto compute = [&](int stage, int p) {
       const unsigned char* st = smem + stage * lay.stage_bytes;
       uint32_t xa[BN / 8];
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) xa[nb] = ptx::smem_addr(st) + x_lane[nb];
       decode_stage<kBF16, BN, kLean>(reinterpret_cast<const uint32_t*>(st),
-                                     reinterpret_cast<const uint16_t*>(st + L::kValueOffset),
-                                     pair_runs(s_off, b.nk, p, args.value_cap), xa, s_pack[warp], warp, lane, acc);
+                                     reinterpret_cast<const uint16_t*>(st + L::kValueOffset), s_pairs[p], xa,
+                                     s_pack[warp], warp, lane, to_top, acc);
     };
 
     // Stage p is consumed while stages p+1 .. p+S-1 are in flight; the prefetch at step p
-    // refills the stage consumed at step p-1.
+    // refills the stage consumed at step p-1. The producer and the decoding warps run loops of
+    // their own that meet at the same block barrier once a step (bar.sync counts warps, not code
+    // locations): one shared loop cost the decoding warps the producer's test and stage
+    // bookkeeping every step.
     const bool producer = kBulk && warp == kWarps;
     if constexpr (kBulk) {
       if (producer) {
         for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st, false);
         ptx::griddep_wait();  // x is the previous kernel's output
         for (int st = 0; st < S - 1 && st < np; ++st) issue_x(st, st);
-      }
-      int cs = 0, ps = S - 1;
-      uint32_t parity = 0;
-      for (int p = 0; p < np; ++p) {
-        __syncthreads();  // all warps are done with stage ps, which the prefetch overwrites
-        const int pf = p + S - 1;
-        if (producer) {
-          if (pf < np) issue_bulk(ps, pf, true);
-        } else {
-          ptx::mbarrier_wait_parity(&s_full[cs], parity);
-          compute(cs, p);
+        for (int p = 0, ps = S - 1; p < np; ++p) {
+          ptx::bar_sync_block();  // all warps are done with stage ps, which the prefetch overwrites
+          if (p + S - 1 < np) issue_bulk(ps, p + S - 1, true);
+          if (++ps == S) ps = 0;
         }
-        ps = cs;
-        if (++cs == S) cs = 0, parity ^= 1u;
+      } else {
+        uint32_t full = ptx::smem_addr(s_full);
+        asm volatile("" : "+r"(full));  // kept in a register: rebuilt from the CTA's shared window every stage
+        uint32_t parity = 0;
+        for (int p = 0, cs = 0; p < np; ++p) {
+          ptx::bar_sync_block();
+          ptx::mbarrier_wait_parity(full + 8u * cs, parity);
+          compute(cs, p);
+          if (++cs == S) cs = 0, parity ^= 1u;
+        }
       }
     } else {
       // A group is committed every step (empty near the end) so wait_group's count stays

@@ -176,7 +176,8 @@ __device__ __forceinline__ uint32_t pair_selector(uint32_t kept) {
 // Decodes this warp's TCTile row of one GroupTile from its published pairs and multiplies it
 // into acc. pack: the pairs (half-major, kPackStride apart); vals/last: the run (lean: unused,
 // the pairs carry shared addresses); xa: this lane's ldmatrix row address in each n8 block of
-// the x slice, at this GroupTile's columns.
+// the x slice, at this GroupTile's columns; to_top: 1 << (30 - 2 * (lane % 16)), made once by the
+// kernel (see pair_selector's comment for its use).
 template <bool kBF16, int BN, bool kLean>
 __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* vals, int last,
                                           const uint32_t (&xa)[BN / 8], int gt, int lane, uint32_t to_top,
@@ -427,9 +428,9 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 
     // Stage p is consumed while stages p+1 .. p+S-1 are in flight; the prefetch at step p
     // refills the stage consumed at step p-1. The producer and the decoding warps run loops of
-    // their own that meet at the same block barrier once a step (bar.sync counts warps, not code
-    // locations): one shared loop cost the decoding warps the producer's test and stage
-    // bookkeeping every step.
+    // their own that meet at the same block barrier once a step (ptx::bar_sync_block, the form of
+    // the barrier that may be reached from different code): one shared loop cost the decoding
+    // warps the producer's test and stage bookkeeping every step.
     const bool producer = kBulk && warp == kWarps;
     if constexpr (kBulk) {
       if (producer) {

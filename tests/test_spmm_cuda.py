@@ -169,19 +169,24 @@ def test_plan_reports_the_launch():
         spmm_plan(enc, 1, device="cpu")
 
 
-def rule_splits(m, k, max_run, n, dtype, fixed=4.0):
+def rule_splits(m, k, max_run, n, dtype, fixed=4.0, cap=None):
     """The planner's split rule written out from its definition (docs/kernels.md, spmm_smbd.cu):
     over split counts s, GroupTiles per split kps = ceil(grid_k / s) rounded up to a pair (when
-    split), at least min(28, grid_k / 8) of them; cost (kps + fixed) x ceil(blocks / (resident blocks
-    per SM x SMs)), the first least cost wins. Each candidate's resident blocks come from
-    the planner's own plan with that factor forced."""
+    split), at least min(28, grid_k / 8) of them. For the sm_90 loader's 8-token tile where the value
+    buffer holds at least 45% of a GroupTile (the streaming cap): the most splits, in that order,
+    whose grid has at most 4 blocks per SM and fits the resident slots, if the unsplit grid does
+    (`cap`, blocks per SM, overrides the 4; 0: none). Otherwise the cost rule:
+    (kps + fixed) x ceil(blocks / (resident blocks per SM x SMs)), the first least cost wins. Each
+    candidate's resident blocks come from the planner's own plan with that factor forced."""
     x = torch.empty((n, 1), dtype=dtype, device="cuda").expand(n, k)
     plan = lambda splits: dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, splits)))
     auto = plan(0)
     grid_k, base = auto["grid_k"], auto["grid_m"] * auto["n_tiles"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if cap is None:
+        cap = 4.0 if auto["bulk"] and auto["bn"] == 8 and auto["value_cap"] >= 0.45 * 64 * 64 else 0.0
     min_per_split = max(1, min(28, grid_k // 8))
-    best, best_cost, last = 1, None, 0
+    candidates, last = [], 0  # (splits, kps, resident blocks per SM)
     for s in range(1, max(1, grid_k // min_per_split) + 1):
         kps = -(-grid_k // s)
         if kps < grid_k:
@@ -192,7 +197,17 @@ def rule_splits(m, k, max_run, n, dtype, fixed=4.0):
         last = splits
         forced = plan(splits)
         assert forced["k_per_split"] == kps, (s, forced)
-        cost = (kps + fixed) * math.ceil(base * splits / (forced["resident_blocks"] * sms))
+        candidates.append((splits, kps, forced["resident_blocks"]))
+    if cap and base <= min(cap, candidates[0][2]) * sms:
+        fits = 1
+        for splits, _, resident in candidates[1:]:
+            if base * splits > min(cap, resident) * sms:
+                break
+            fits = splits
+        return auto["splits"], fits
+    best, best_cost = 1, None
+    for splits, kps, resident in candidates:
+        cost = (kps + fixed) * math.ceil(base * splits / (resident * sms))
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return auto["splits"], best
@@ -206,6 +221,7 @@ def test_split_rule_picks_the_least_cost(dtype, fixed, monkeypatch):
     default fixed cost per round (4 GroupTiles) and with SPINFER_SPLIT_FIXED (tenths) overriding it."""
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
     monkeypatch.delenv("SPINFER_SPLIT_MARGIN", raising=False)
+    monkeypatch.delenv("SPINFER_SPLIT_CAP", raising=False)
     if fixed is None:
         monkeypatch.delenv("SPINFER_SPLIT_FIXED", raising=False)
     else:
@@ -216,6 +232,42 @@ def test_split_rule_picks_the_least_cost(dtype, fixed, monkeypatch):
         for n in (1, 8, 16, 32, 64):
             chosen, defined = rule_splits(m, k, max_run, n, dtype, cost)
             assert chosen == defined, f"{m}x{k} max_run {max_run} N={n}: planner {chosen}, rule {defined}"
+
+
+@pytest.mark.parametrize("cap", ["0", "25", "40", "70"])
+def test_split_rule_caps_blocks_per_sm_for_dense_8_token_tiles(cap, monkeypatch):
+    """With the sm_90 loader at N <= 8, weights whose longest run holds 45% of a GroupTile or more
+    get a grid of at most 4 blocks per SM, fewer splits than the cost rule's (SPINFER_SPLIT_CAP=0);
+    sparser weights, and N = 16, get the cost rule's count; SPINFER_SPLIT_CAP (tenths of a block
+    per SM) sets the cap, and the planner then launches what rule_splits defines with it."""
+    monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+    monkeypatch.delenv("SPINFER_SPLIT_MARGIN", raising=False)
+    monkeypatch.delenv("SPINFER_SPLIT_CAP", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def plan(m, k, max_run, n):
+        x = torch.empty((n, 1), dtype=torch.float16, device="cuda").expand(n, k)
+        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, 0)))
+
+    if not plan(64, 64, 64, 1)["bulk"]:
+        pytest.skip("the cap is the sm_90 loader's")
+    # (shape, longest run, N, the cap's grid against the cost rule's: fewer splits, the same, or no cap)
+    cases = [(6144, 4096, 2200, 1, "fewer"), (6144, 4096, 2200, 8, "fewer"), (8192, 28672, 3000, 1, "fewer"),
+             (4096, 14336, 2200, 1, "same"), (6144, 4096, 1360, 1, "uncapped"), (6144, 4096, 2200, 16, "uncapped")]
+    for m, k, max_run, n, expect in cases:
+        default = plan(m, k, max_run, n)
+        monkeypatch.setenv("SPINFER_SPLIT_CAP", "0")
+        cost_rule = plan(m, k, max_run, n)
+        monkeypatch.delenv("SPINFER_SPLIT_CAP")
+        if expect != "uncapped":  # (a cap of 4 blocks per SM: 512 on an H100, 4096x14336's 8 splits)
+            assert default["grid_m"] * default["n_tiles"] * default["splits"] <= 4 * sms, (m, k, max_run, n, default)
+        fewer = default["splits"] < cost_rule["splits"]
+        assert fewer == (expect == "fewer"), (m, k, max_run, n, expect, default["splits"], cost_rule["splits"])
+        assert default["splits"] <= cost_rule["splits"], (m, k, max_run, n, default["splits"], cost_rule["splits"])
+    monkeypatch.setenv("SPINFER_SPLIT_CAP", cap)
+    for m, k, max_run, n, _ in cases:
+        chosen, defined = rule_splits(m, k, max_run, n, torch.float16, cap=int(cap) / 10)
+        assert chosen == defined, f"{m}x{k} max_run {max_run} N={n} cap {cap}: planner {chosen}, rule {defined}"
 
 
 @pytest.mark.parametrize("stages", ["2", "3", "4"])

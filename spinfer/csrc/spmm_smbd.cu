@@ -71,11 +71,29 @@ int per_split(int grid_k, int splits) {
 // min(28, grid_k / 8) GroupTiles: 4096x14336 ran 15-35% slower with 25 splits of 9 than with 8
 // of 28. `resident(k_per_split)` gives the blocks per SM of the kernel at that split's shared
 // memory.
+//
+// cap (tenths of a block per SM; 0: none; streaming launches, stream_cap): the most splits whose
+// grid keeps at most that many blocks per SM (and fits the resident slots), where one split
+// does; the cost rule otherwise.
 template <typename Resident>
-int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, double fixed) {
+int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, double fixed, int cap) {
   const int min_per_split = std::max(1, std::min(28, p.grid_k / 8));
   const int max_splits = std::max(1, p.grid_k / min_per_split);
   const int64_t base = static_cast<int64_t>(p.grid_m) * p.n_tiles;
+  const auto within_cap = [&](int kps, int splits) {
+    return base * splits * 10 <= static_cast<int64_t>(std::min(cap, 10 * resident(kps))) * sms;
+  };
+  if (cap > 0 && within_cap(per_split(p.grid_k, 1), 1)) {
+    int fits = 1;
+    for (int s = 2, last = 1; s <= max_splits; ++s) {
+      const int kps = per_split(p.grid_k, s), splits = (p.grid_k + kps - 1) / kps;
+      if (splits == last) continue;
+      last = splits;
+      if (!within_cap(kps, splits)) break;  // larger s: larger grids
+      fits = splits;
+    }
+    return fits;
+  }
   int best = 1;
   double best_cost = 0;
   for (int s = 1, last = 0; s <= max_splits; ++s) {
@@ -96,15 +114,32 @@ int env_int(const char* name, int fallback) {
   return v ? std::atoi(v) : fallback;
 }
 
+// The rule's cap on blocks per SM, in tenths (choose_splits): 40 for the sm_90 loader's 8-token
+// tile where the longest GroupTile run holds at least 45% of its values (about 40% sparsity and
+// less), else none. There a launch streams weights at near the copy bandwidth, and a grid of 3-4
+// blocks per SM with more GroupTiles each ran faster than one filling the round of 7 resident
+// blocks (fewer blocks to start, fewer split-K partials to sum); at 70% sparsity, where the
+// decode's issue rate bounds the kernel, the full round won. H100, same process, least of 3
+// rounds, split counts 1-12 at N = 1 and 8: at 50% 6144x4096 4 splits (384 blocks) 18.4 us and 5
+// (480, the cap's) 18.5 against the cost rule's 8, 20.4; 28672x4096 unsplit (448) 55.8 against 2,
+// 59.7; 14336x4096 2 splits (448) 33.2 against 4, 34.6; 4096x14336 8 splits (512) 31.7 but 7
+// (448) 33.4, so a cap of 3.5 blocks lost there; at 70% 28672x4096 unsplit 54.9 against 2, 49.3
+// (docs/kernels.md, forty-fourth session). Measured on the H100 only: the other loader keeps the
+// cost rule. SPINFER_SPLIT_CAP (tenths; 0: the cost rule) overrides (A/B runs, tests).
+int stream_cap(const SpmmPlan& p) {
+  return p.bulk && p.bn == 8 && p.value_cap * 20 >= kMaxValues * 9 ? 40 : 0;
+}
+
 // The rule's split count, kept per (device, dtype, variant, stages, value buffer, grid): the rule
 // asks the occupancy of up to 16 candidates, so an eager call looks up one entry instead.
 int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   static std::mutex mutex;
   const int margin = std::max(1, env_int("SPINFER_SPLIT_MARGIN", 1000));  // per mille (A/B runs)
   const int fixed = std::max(0, env_int("SPINFER_SPLIT_FIXED", 40));     // tenths of a GroupTile (A/B runs)
-  static std::map<std::array<int, 13>, int> cache;
-  const std::array<int, 13> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.stages, p.value_cap,
-                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed};
+  const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p)));  // tenths of a block per SM
+  static std::map<std::array<int, 14>, int> cache;
+  const std::array<int, 14> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.stages, p.value_cap,
+                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed, cap};
   {
     const std::lock_guard<std::mutex> lock(mutex);
     if (auto it = cache.find(key); it != cache.end()) return it->second;
@@ -114,7 +149,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
     q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n);
     return resident_blocks_cached(q, bf16, device);
   };
-  const int splits = choose_splits(p, resident, sms, margin / 1000.0, fixed / 10.0);
+  const int splits = choose_splits(p, resident, sms, margin / 1000.0, fixed / 10.0, cap);
   const std::lock_guard<std::mutex> lock(mutex);
   return cache[key] = splits;
 }

@@ -169,6 +169,13 @@ def test_plan_reports_the_launch():
         spmm_plan(enc, 1, device="cpu")
 
 
+def plan_of(m, k, max_run, n, dtype=torch.float16, splits=0):
+    """The planner's plan (PLAN_FIELDS) for an M x K weight whose longest run is max_run, at N tokens
+    (x is a stride-0 view: the planner reads only its shape, dtype and device)."""
+    x = torch.empty((n, 1), dtype=dtype, device="cuda").expand(n, k)
+    return dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, splits)))
+
+
 def rule_splits(m, k, max_run, n, dtype, fixed=4.0, cap=None):
     """The planner's split rule written out from its definition (docs/kernels.md, spmm_smbd.cu):
     over split counts s, GroupTiles per split kps = ceil(grid_k / s) rounded up to a pair (when
@@ -178,8 +185,7 @@ def rule_splits(m, k, max_run, n, dtype, fixed=4.0, cap=None):
     (`cap`, blocks per SM, overrides the 4; 0: none). Otherwise the cost rule:
     (kps + fixed) x ceil(blocks / (resident blocks per SM x SMs)), the first least cost wins. Each
     candidate's resident blocks come from the planner's own plan with that factor forced."""
-    x = torch.empty((n, 1), dtype=dtype, device="cuda").expand(n, k)
-    plan = lambda splits: dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, splits)))
+    plan = lambda splits: plan_of(m, k, max_run, n, dtype, splits)
     auto = plan(0)
     grid_k, base = auto["grid_k"], auto["grid_m"] * auto["n_tiles"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -234,32 +240,31 @@ def test_split_rule_picks_the_least_cost(dtype, fixed, monkeypatch):
             assert chosen == defined, f"{m}x{k} max_run {max_run} N={n}: planner {chosen}, rule {defined}"
 
 
-@pytest.mark.parametrize("cap", ["0", "25", "40", "70"])
-def test_split_rule_caps_blocks_per_sm_for_dense_8_token_tiles(cap, monkeypatch):
-    """With the sm_90 loader at N <= 8, weights whose longest run holds 45% of a GroupTile or more
-    get a grid of at most 4 blocks per SM, fewer splits than the cost rule's (SPINFER_SPLIT_CAP=0);
-    sparser weights, and N = 16, get the cost rule's count; SPINFER_SPLIT_CAP (tenths of a block
-    per SM) sets the cap, and the planner then launches what rule_splits defines with it."""
-    monkeypatch.delenv("SPINFER_SPLITS", raising=False)
-    monkeypatch.delenv("SPINFER_SPLIT_MARGIN", raising=False)
-    monkeypatch.delenv("SPINFER_SPLIT_CAP", raising=False)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def plan(m, k, max_run, n):
-        x = torch.empty((n, 1), dtype=torch.float16, device="cuda").expand(n, k)
-        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, 0)))
-
-    if not plan(64, 64, 64, 1)["bulk"]:
-        pytest.skip("the cap is the sm_90 loader's")
-    # (shape, longest run, N, the cap's grid against the cost rule's: fewer splits on any sm_90 part of
-    # 100+ SMs; capped, where the count depends on the SM count (an H100 SXM's 528-block cap keeps
-    # 4096x14336 at the cost rule's 8 splits); or no cap)
-    cases = [(6144, 4096, 2200, 1, "fewer"), (6144, 4096, 2200, 8, "fewer"), (8192, 28672, 3000, 1, "fewer"),
+# (shape, longest run, N, the cap's grid against the cost rule's: fewer splits on any sm_90 part of
+# 100+ SMs; capped, where the count depends on the SM count (an H100 SXM's 528-block cap keeps
+# 4096x14336 at the cost rule's 8 splits); or no cap)
+CAP_CASES = [(6144, 4096, 2200, 1, "fewer"), (6144, 4096, 2200, 8, "fewer"), (8192, 28672, 3000, 1, "fewer"),
              (4096, 14336, 2200, 1, "capped"), (6144, 4096, 1360, 1, "uncapped"), (6144, 4096, 2200, 16, "uncapped")]
-    for m, k, max_run, n, expect in cases:
-        default = plan(m, k, max_run, n)
+
+
+def skip_unless_bulk_loader():
+    if not plan_of(64, 64, 64, 1)["bulk"]:
+        pytest.skip("the split cap is the sm_90 loader's")
+
+
+def test_split_rule_caps_blocks_per_sm_for_dense_8_token_tiles(monkeypatch):
+    """With the sm_90 loader at N <= 8, weights whose longest run holds 45% of a GroupTile or more
+    get a grid of at most 4 blocks per SM, never more splits than the cost rule's
+    (SPINFER_SPLIT_CAP=0) and fewer where a round of 7 blocks per SM holds more; sparser weights,
+    and N = 16, get the cost rule's count."""
+    for var in ("SPINFER_SPLITS", "SPINFER_SPLIT_MARGIN", "SPINFER_SPLIT_CAP"):
+        monkeypatch.delenv(var, raising=False)
+    skip_unless_bulk_loader()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, k, max_run, n, expect in CAP_CASES:
+        default = plan_of(m, k, max_run, n)
         monkeypatch.setenv("SPINFER_SPLIT_CAP", "0")
-        cost_rule = plan(m, k, max_run, n)
+        cost_rule = plan_of(m, k, max_run, n)
         monkeypatch.delenv("SPINFER_SPLIT_CAP")
         if expect == "uncapped":
             assert default["splits"] == cost_rule["splits"], (m, k, max_run, n, default["splits"], cost_rule["splits"])
@@ -268,8 +273,17 @@ def test_split_rule_caps_blocks_per_sm_for_dense_8_token_tiles(cap, monkeypatch)
         assert default["splits"] <= cost_rule["splits"], (m, k, max_run, n, default["splits"], cost_rule["splits"])
         if expect == "fewer":
             assert default["splits"] < cost_rule["splits"], (m, k, max_run, n, default["splits"], cost_rule["splits"])
+
+
+@pytest.mark.parametrize("cap", ["0", "25", "40", "70"])
+def test_split_cap_override_follows_the_rule(cap, monkeypatch):
+    """SPINFER_SPLIT_CAP (tenths of a block per SM; 0: the cost rule) sets the cap for every launch,
+    and the planner then launches what rule_splits defines with it."""
+    for var in ("SPINFER_SPLITS", "SPINFER_SPLIT_MARGIN"):
+        monkeypatch.delenv(var, raising=False)
+    skip_unless_bulk_loader()
     monkeypatch.setenv("SPINFER_SPLIT_CAP", cap)
-    for m, k, max_run, n, _ in cases:
+    for m, k, max_run, n, _ in CAP_CASES:
         chosen, defined = rule_splits(m, k, max_run, n, torch.float16, cap=int(cap) / 10)
         assert chosen == defined, f"{m}x{k} max_run {max_run} N={n} cap {cap}: planner {chosen}, rule {defined}"
 

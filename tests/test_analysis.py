@@ -304,6 +304,37 @@ def test_e2e_prefill_cli(capsys):
     assert "p16" in out and "p24" in out and "lowbit->lowbit" in out
 
 
+def test_e2e_runs_every_variant_in_bf16(monkeypatch, capsys):
+    """--dtype bf16: every variant's stack, its stored weights and the step's activations are
+    bf16 (decode and prefill), and its tokens come out finite."""
+    import spinfer.bench.e2e as e2e
+    from spinfer.bench.__main__ import main as bench_main
+
+    seen = []  # (the model's formats, its norm's dtype, its weights' dtypes, its KV cache finite after a run)
+
+    def recording(runner):
+        def wrapped(model, *args, **kwargs):
+            run, tokens = runner(model, *args, **kwargs)
+            weights = {b.dtype for m in model.modules() if isinstance(m, e2e.SparseLinear) for b in m.buffers()
+                       if b.is_floating_point()}
+            weights |= {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)}
+            run()
+            seen.append((e2e.formats(model, 1), model.norm.weight.dtype, weights,
+                         bool(model.layers[0].kv_cache.isfinite().all())))
+            return run, tokens
+        return wrapped
+
+    monkeypatch.setattr(e2e, "decode_runner", recording(e2e.decode_runner))
+    monkeypatch.setattr(e2e, "prefill_runner", recording(e2e.prefill_runner))
+    assert bench_main(["e2e", "--tiny", "--device", "cpu", "--layers", "1", "--batches", "1", "--prefill", "8",
+                       "--steps", "2", "--variants", "dense,sparse50,spmm70,w4", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16, eager" in out and "p8" in out
+    assert len(seen) == 8, seen  # 4 variants, decode and prefill
+    assert {f for f, *_ in seen} >= {"dense nn.Linear", "7 tca-bme->spmm", "7 lowbit->lowbit"}, seen
+    assert all(norm == torch.bfloat16 and weights == {torch.bfloat16} and finite for _, norm, weights, finite in seen), seen
+
+
 def test_e2e_attention_equals_attention_over_repeated_kv_heads():
     """The decode step's grouped-query attention on the cache, with the Stack's additive mask,
     equals plain attention over the cache with each KV head repeated for its query heads and a

@@ -1,5 +1,5 @@
-"""Greedy decoding through a stack of Llama-shaped decoder layers, dense fp16 against the same
-stack sparsified (50%, 70%, magnitude; "sparseNN" with policy "auto", "spmmNN" with every
+"""Greedy decoding through a stack of Llama-shaped decoder layers, dense fp16 (or --dtype bf16,
+every variant's activations and weights in it) against the same stack sparsified (50%, 70%, magnitude; "sparseNN" with policy "auto", "spmmNN" with every
 layer forced to TCA-BME) and quantized to 4-bit g128 ("w4"; "w8" and "w2" likewise, "w2g64" with
 groups of 64). A "+tuned" variant ("sparse50+tuned", "w4+tuned") first measures each layer's
 split-K factor at the batch (spinfer.tuning).
@@ -15,7 +15,7 @@ are replaced. The glue between the linear layers runs as fused kernels on CUDA (
 kernels that let the next layer kernel launch early on sm_90+, compiled ones elsewhere.
 Every variant is built and captured first, then all are timed in shuffled rounds (median).
 
-    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048] [--glue fused|pdl|norms|eager] [--rounds 5]
+    spinfer bench e2e [--layers 4] [--batches 1,8,16] [--steps 64] [--fused] [--prefill 512,2048] [--glue fused|pdl|norms|eager] [--rounds 5] [--dtype bf16]
     python benchmarks/bench_e2e.py ...      (same)
     spinfer bench e2e --tiny --device cpu   (a small smoke run of the same code, no graphs)
 """
@@ -345,7 +345,7 @@ def capture(model, x, pos, keep_graph=False):
 def decode_runner(model, batch, hidden, steps, device, graphs: bool):
     """A callable that runs `steps` greedy decode steps of `model` from position 0 (on CUDA, by
     replaying the step's graph) and the tokens it makes."""
-    x = torch.randn(batch, 1, hidden, device=device, dtype=torch.float16)
+    x = torch.randn(batch, 1, hidden, device=device, dtype=model.norm.weight.dtype)
     pos = torch.zeros(1, dtype=torch.long, device=device)
     if device.type == "cuda" and graphs:
         one = capture(model, x, pos).replay
@@ -367,7 +367,7 @@ def prefill_runner(model, tokens, hidden, device, graphs: bool):
     """A callable that runs one prefill of `tokens` prompt tokens (batch 1; on CUDA a replayed
     graph, as the decode step is: eager, host launch gaps showed in the 512-token times, dense
     155-268k tokens/s over four runs of one lease) and the tokens it takes."""
-    x = torch.randn(1, tokens, hidden, device=device, dtype=torch.float16)
+    x = torch.randn(1, tokens, hidden, device=device, dtype=model.norm.weight.dtype)
     with torch.no_grad():
         for _ in range(2):  # warm up: kernels built, policy choices made and cached
             model.prefill(x)
@@ -423,6 +423,7 @@ def main(argv=None) -> int:
                         "(fused; the default elsewhere), only the norms compiled, or torch's kernels")
     p.add_argument("--eager-norms", action="store_const", dest="glue", const="eager", help="same as --glue eager")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds over every variant, interleaved (the first in list order, the rest shuffled)")
+    p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="of the activations and dense weights")
     p.add_argument("--fused", action="store_true",
                    help="q/k/v and gate/up as one projection each, in every variant (dense too)")
     a = p.parse_args(argv)
@@ -441,7 +442,7 @@ def main(argv=None) -> int:
         print("bench_e2e: --glue pdl needs Triton and compute capability 9.0+; fused glue instead", file=sys.stderr)
         a.glue = "fused"
     _GLUE["mode"] = a.glue
-    dtype = torch.float16
+    dtype = torch.float16 if a.dtype == "fp16" else torch.bfloat16
     graphs = device.type == "cuda" and not a.no_graphs
     if device.type == "cuda":
         spinfer.build.load_extension()
@@ -449,7 +450,7 @@ def main(argv=None) -> int:
     if graphs:
         settle_graph_launches(device)
     print(f"{a.layers} decoder layers, hidden {hidden}, MLP {inter}, {heads}/{kv} heads, {a.steps} greedy steps, "
-          f"{'CUDA graphs' if graphs else 'eager'}{', fused qkv and gate_up projections' if a.fused else ''}"
+          f"{a.dtype}, {'CUDA graphs' if graphs else 'eager'}{', fused qkv and gate_up projections' if a.fused else ''}"
           f"{f', {a.glue} glue' if device.type == 'cuda' else ''}; median of {a.rounds} interleaved rounds")
     print(f"{'variant':<15} {'batch':>5} {'tokens/s':>10} {'x dense':>8} {'weights MiB':>11}  formats")
     torch.manual_seed(0)

@@ -1,14 +1,15 @@
-"""Weight-only low-bit kernels against cuBLAS fp16 and torch's int4 kernel, same process.
+"""Weight-only low-bit kernels against cuBLAS and torch's int4 kernel, same process.
 
 For each (M, K), N and configuration (bits, group): median time with the L2 flushed before
-every call of cuBLAS fp16 (F.linear on the dense weight), spinfer.lowbit_mm (the dispatch:
+every call of cuBLAS (F.linear on the dense weight, fp16 or --dtype bf16, the activations'
+dtype too), spinfer.lowbit_mm (the dispatch:
 fused kernel for N <= fused_max_n(bits), dequantize + cuBLAS above; the fused kernel is also
 timed above it, the "fused us" column) and, for 4-bit g128, torch's
 ``aten._weight_int4pack_mm`` (tinygemm; bf16 activations, which is what it accepts on CUDA).
 Reports ratios to cuBLAS and the fused kernel's bandwidth (packed weight + scales + zeros + x +
 y bytes over time) against the measured copy bandwidth.
 
-    spinfer bench lowbit [--quick] [--csv out.csv]     (or python benchmarks/bench_lowbit.py)
+    spinfer bench lowbit [--quick] [--dtype bf16] [--csv out.csv]     (or python benchmarks/bench_lowbit.py)
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def torch_int4(x_bf16, m, k, gen):
         return None
 
 
-def print_summary(rows) -> None:
+def print_summary(rows, dtype="fp16") -> None:
     """Issue 4's criteria: geomean of x cuBLAS over the four issue shapes only (rows of other
-    shapes are in the table but not in the summary), per configuration and N."""
-    print("\nsummary: geomean of x cuBLAS fp16 over " + ", ".join(f"{m}x{k}" for m, k in SHAPES))
+    shapes are in the table but not in the summary), per configuration and N. The targets are
+    issue 4's fp16 ones; a bf16 run is printed against them too, for comparison."""
+    print(f"\nsummary: geomean of x cuBLAS {dtype} over " + ", ".join(f"{m}x{k}" for m, k in SHAPES))
     rows = [r for r in rows if (r["M"], r["K"]) in set(SHAPES)]
     for (bits, group), targets in TARGETS.items():
         for n in sorted({r["N"] for r in rows}):
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=None, help="e.g. 28672x8192,4096x4096")
     p.add_argument("--ns", default=None, help="e.g. 1,8,16")
     p.add_argument("--configs", default=None, help="bits:group pairs, e.g. 4:128,2:64")
+    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
+                   help="of the activations, the weight's scales and the cuBLAS baseline")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--csv", default=None)
     p.add_argument("--tuned", action="store_true",
@@ -102,6 +106,8 @@ def main(argv=None) -> int:
     if not require_cuda("lowbit"):
         return 2
     dev = torch.device("cuda")
+    dt = torch.float16 if a.dtype == "fp16" else torch.bfloat16
+    tol = 2e-3 if a.dtype == "fp16" else 1e-2  # the tests' bounds against the dequantized reference
     shapes = parse_shapes(a.shapes) if a.shapes else SHAPES
     ns = [int(v) for v in a.ns.split(",")] if a.ns else (QUICK_NS if a.quick else NS)
     configs = parse_quants(a.configs) if a.configs else (
@@ -110,7 +116,7 @@ def main(argv=None) -> int:
     spinfer.build.load_extension()
     bw = copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev)
-    print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); fp16; "
+    print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read+write); {a.dtype}; "
           f"L2 flushed before every call; median of {a.reps}; fused kernel for N <= "
           f"{FUSED_MAX_N} (by bits); split-K {'tuned per layer and N (spinfer.tuning)' if a.tuned else 'by the planner'}")
     print(f"{'M':>6} {'K':>6} {'N':>4} {'bits':>4} {'group':>5} {'cuBLAS us':>10} {'lowbit us':>9} {'x cuBLAS':>8} "
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
     rows = []
     for m, k in shapes:
         gen = torch.Generator(device=dev).manual_seed(m * 31 + k)
-        dense = torch.randn(m, k, device=dev, generator=gen).half()
+        dense = torch.randn(m, k, device=dev, generator=gen).to(dt)
         flat = cublas_flat_time(dense, dev, a.reps)  # held against this weight's rows (time_against_cublas)
         for bits, group in configs:
             q = LowBitWeight.quantize(dense, bits, group)
@@ -132,7 +138,7 @@ def main(argv=None) -> int:
                 chosen.update({n: r["splits"] for n, r in tuning.tune_lowbit(q, fused_ns, save=False).items()})
             prev = None  # (N, op seconds) of the previous row
             for n in ns:
-                x = torch.randn(n, k, device=dev, generator=gen).half()
+                x = torch.randn(n, k, device=dev, generator=gen).to(dt)
                 y = spinfer.lowbit_mm(x, q, splits=chosen[n])
                 ref = F.linear(x, wq)
                 err = float((y.float() - ref.float()).norm() / ref.float().norm())
@@ -153,7 +159,7 @@ def main(argv=None) -> int:
                          speedup=t_dense / t_q, gbps=moved / t_q / 1e9, pct_copy=100 * moved / t_q / bw,
                          int4_us=None if t_i4 is None else t_i4 * 1e6,
                          int4_speedup=None if t_i4 is None else t_dense / t_i4, rel_err_vs_dequant=err,
-                         splits=chosen[n], timing_suspect=bool(suspects), device=name)
+                         splits=chosen[n], timing_suspect=bool(suspects), dtype=a.dtype, device=name)
                 rows.append(r)
                 i4 = f"{r['int4_us']:>8.1f} {r['int4_speedup']:>8.2f}" if t_i4 else f"{'-':>8} {'-':>8}"
                 print(f"{m:>6} {k:>6} {n:>4} {bits:>4} {group:>5} {r['cublas_us']:>10.1f} {r['lowbit_us']:>9.1f} "
@@ -161,9 +167,9 @@ def main(argv=None) -> int:
                       f"{chosen[n] or 'plan':>6}", flush=True)
                 for warning in suspects:
                     print(f"  WARNING: {warning}", flush=True)
-                if err > 2e-3:  # a fast wrong answer is not a result: say so on the row
+                if err > tol:  # a fast wrong answer is not a result: say so on the row
                     print(f"  WARNING: lowbit_mm differs from the dequantized reference by {err:.2e}", flush=True)
-    print_summary(rows)
+    print_summary(rows, a.dtype)
     if a.csv:
         write_rows(rows, a.csv)
     return 0

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                 r = dict(M=m, K=k, N=n, sparsity=s, cublas_us=t_dense * 1e6, spmm_us=t_sp * 1e6,
                          speedup=t_dense / t_sp, gbps=moved / t_sp / 1e9, pct_copy=100 * moved / t_sp / bw,
                          cr=enc.compression_ratio, rel_err_vs_cublas=err, splits=chosen[n],
-                         timing_suspect=bool(suspects), device=name)
+                         timing_suspect=bool(suspects), dtype=a.dtype, device=name)
                 rows.append(r)
                 print(f"{m:>6} {k:>6} {n:>4} {s:>8.1f} {r['cublas_us']:>10.1f} {r['spmm_us']:>9.1f} "
                       f"{r['speedup']:>8.2f} {r['gbps']:>6.0f} {r['pct_copy']:>6.1f} {r['cr']:>5.2f} "

@@ -215,7 +215,8 @@ def test_op_registration_and_compile():
 def test_integer_zeros_are_those_the_kernel_subtracts_exactly(dtype):
     """LowBitWeight.integer_zeros lets the fused kernel skip its zero-point check, so it must be
     false for any zero outside the set that check accepts: integers with magic + z exact in the
-    dtype (fp16 [-1024, 1023], bf16 [-128, 127], bf16 at 8 bits only 0)."""
+    dtype (fp16 [-1024, 1023], bf16 [-128, 127]), and at 8 bits in bf16, where the kernel splits q
+    and z at bit 7, [0, 255]."""
     lim = 1024 if dtype == torch.float16 else 128
 
     def flag(zero, bits=4):
@@ -225,11 +226,12 @@ def test_integer_zeros_are_those_the_kernel_subtracts_exactly(dtype):
     assert flag([0.0, 3.0, lim - 1.0, -float(lim)])
     for bad in (0.5, -2.25, float(lim), -lim - 1.0, 3 * lim, float("nan"), float("inf"), -float("inf")):
         assert not flag([1.0, bad]), bad
-    assert flag([0.0, 0.0], bits=8)
-    assert flag([5.0], bits=8) == (dtype == torch.float16)  # bf16 8-bit decodes 128 + q: only z = 0
+    assert flag([0.0, 0.0, 5.0, 127.0, 128.0, 255.0], bits=8)
+    for bad in (-1.0, 256.0, 127.5, float("nan")):  # -1 and 256 are fine in fp16, not in bf16
+        assert flag([1.0, bad], bits=8) == (dtype == torch.float16 and bad in (-1.0, 256.0)), bad
     for bits in BITS:  # RTN stores integer zeros in [0, 2^bits - 1]
         q = LowBitWeight.quantize(torch.randn(70, 512).to(dtype), bits, 64)
-        assert q.integer_zeros == (dtype == torch.float16 or bits < 8 or not bool(q.zeros.any())), bits
+        assert q.integer_zeros and bool(q.zeros.any()), bits
     frac = LowBitWeight.from_hqq(torch.randint(0, 16, (8, 256)), torch.rand(8, 4).to(dtype),
                                  (torch.rand(8, 4) * 15 + 0.1).to(dtype), 4, 64, (8, 256))
     assert frac.cached_integer_zeros() is None and not frac.integer_zeros
@@ -254,29 +256,34 @@ def test_integer_zeros_follow_in_place_edits_and_new_tensors():
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_gptq_zeros_are_integer_zeros(bits):
-    """GPTQ stores integer zeros (qzeros + 1): imported in fp16, the kernel may skip its check;
-    at 8 bits in bf16 it may not (only z = 0 is exact there)."""
+    """GPTQ stores integer zeros (qzeros + 1, here 1 .. 2^bits - 1): imported in fp16 or bf16, the
+    kernel may skip its check."""
     qweight, scales, qzeros, _, _ = random_gptq(512, 72, bits, 128, False)
     q = LowBitWeight.from_gptq(qweight, scales, qzeros, bits=bits, group_size=128)
     assert q.integer_zeros
     q16 = LowBitWeight.from_gptq(qweight, scales.bfloat16(), qzeros, bits=bits, group_size=128)
-    assert q16.integer_zeros == (bits < 8)
+    assert q16.integer_zeros
 
 
 def test_zero_ranges_match_the_kernel():
-    """exact_integer_zeros restates the kernel's exact zero range (Num<kBF16>::kZeroLo/Hi in
-    lowbit_mm.cuh); the two must not drift apart."""
+    """exact_integer_zeros restates the kernel's exact zero ranges (Num<kBF16>::kZeroLo/Hi in
+    lowbit_mm.cuh, and kZeroLo/Hi<kBF16, BITS> for bf16 at 8 bits); they must not drift apart."""
     import re
     from pathlib import Path
 
     src = (Path(spinfer.__file__).parent / "csrc" / "lowbit_mm.cuh").read_text()
     ranges = re.findall(r"kZeroLo = (-?[0-9.]+)f, kZeroHi = (-?[0-9.]+)f", src)
     assert len(ranges) == 2, ranges  # fp16, then bf16
-    for (lo, hi), dtype in zip(ranges, (torch.float16, torch.bfloat16)):
+    byte = [re.findall(rf"constexpr float {name} = kBF16 && BITS == 8 \? (-?[0-9.]+)f", src) for name in
+            ("kZeroLo", "kZeroHi")]
+    assert all(len(v) == 1 for v in byte), byte
+    cases = [(lo, hi, dtype, 4) for (lo, hi), dtype in zip(ranges, (torch.float16, torch.bfloat16))]
+    cases.append((byte[0][0], byte[1][0], torch.bfloat16, 8))
+    for lo, hi, dtype, bits in cases:
         lo, hi = float(lo), float(hi)
         sz = torch.tensor([[[1.0, z]] for z in (lo, hi, lo - 1, hi + 1)]).to(dtype)
-        assert exact_integer_zeros(sz[:2], 4) and not exact_integer_zeros(sz[2:3], 4)
-        assert not exact_integer_zeros(sz[3:], 4)
+        assert exact_integer_zeros(sz[:2], bits) and not exact_integer_zeros(sz[2:3], bits), (dtype, bits)
+        assert not exact_integer_zeros(sz[3:], bits), (dtype, bits)
 
 
 def test_structure_only_check_skips_the_permutation_content():

@@ -403,7 +403,8 @@ def test_split_counters_shared_across_calls_and_streams(monkeypatch):
 
 
 def test_values_that_exercise_every_bit():
-    # bf16 8-bit converts q >= 128 separately; constant and extreme groups; q spans 0..2^bits-1
+    # bf16 8-bit splits q and z at bit 7 (both halves of each, zeros from 0 to 255); constant and
+    # extreme groups; q spans 0..2^bits-1
     for bits in BITS:
         levels = (1 << bits) - 1
         qv = torch.randint(0, levels + 1, (128, 512), device="cuda")
@@ -444,7 +445,7 @@ def test_integer_and_fractional_zero_points_in_one_warp(dtype, monkeypatch):
         zero = torch.randint(0, levels + 1, (m, k // 64), device="cuda").float()
         zero[5] += 0.25                      # one fractional row inside the first warp's tile
         zero[40:48] = torch.rand(8, k // 64, device="cuda") * levels  # a fractional block
-        zero[70, 0] = 3000.0 if dtype == torch.float16 else 200.0     # past the exact range
+        zero[70, 0] = 3000.0 if dtype == torch.float16 else 300.0 if bits == 8 else 200.0  # past the exact range
         zero[71, 1] = -2000.0 if dtype == torch.float16 else -300.0
         q = LowBitWeight.from_hqq(w_q, scale.to(dtype), zero.to(dtype), bits, 64, (m, k))
         w = ((w_q.double() - zero.to(dtype).double().repeat_interleave(64, 1))
@@ -463,15 +464,16 @@ def test_integer_and_fractional_zero_points_in_one_warp(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_zero_points_at_the_edges_of_the_integer_path(dtype):
     """The kernel decodes zero points in the weight dtype and takes the integer path where a
-    16-row warp tile's zeros are all integers in [-1024, 1023] (fp16; bf16 [-128, 127]);
-    anything else takes the sum(x) path. Every warp tile here holds one edge value, and every
-    row is checked on its own. The last edge is an integer far enough below the range that
+    16-row warp tile's zeros are all integers in [-1024, 1023] (fp16; bf16 [-128, 127], at 8 bits
+    [0, 255]); anything else takes the sum(x) path. Every warp tile here holds one edge value, and
+    every row is checked on its own. The last edges are integers far enough below the range that
     magic + z is still exact but (1024 + q) - (magic + z) is not: without the clamp to the
-    range the integer path would take it and round (fp16 at 8 bits, bf16 at 4 and 8)."""
-    lim = 1024 if dtype == torch.float16 else 128
-    edges = [lim - 1, -lim, lim, -lim - 1, 0.0, 2.5, -3.0, -2000.0 if dtype == torch.float16 else -250.0]
-    m, k = 16 * len(edges), 512
+    range the integer path would take them and round (fp16 at 8 bits, bf16 at 4 and 8)."""
     for bits in (4, 8):
+        lo, hi = (-1024, 1023) if dtype == torch.float16 else (0, 255) if bits == 8 else (-128, 127)
+        edges = [hi, lo, hi + 1, lo - 1, 0.0, 2.5, -3.0, 127.0, 128.0, 127.5, 129.0,
+                 -2000.0 if dtype == torch.float16 else -250.0, -120.0]
+        m, k = 16 * len(edges), 512
         levels = (1 << bits) - 1
         w_q = torch.randint(0, levels + 1, (m, k), device="cuda")
         scale = (torch.rand(m, k // 128, device="cuda") * 0.02 + 0.001).to(dtype)
@@ -492,12 +494,10 @@ def test_integer_zeros_flag_skips_only_the_check(dtype):
     (64) and each token tile."""
     m, k = 333, 1280
     for bits in BITS:
-        if dtype == torch.bfloat16 and bits == 8:  # that decode takes z = 0 only
-            q = LowBitWeight.from_hqq(torch.randint(0, 256, (m, k), device="cuda"),
-                                      (torch.rand(m, k // 64, device="cuda") * 0.02).to(dtype),
-                                      torch.zeros(m, k // 64, device="cuda", dtype=dtype), 8, 64, (m, k))
-        else:
-            q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, 64)
+        q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, 64)
+        if bits == 8:  # zeros on both sides of 128 (bf16 splits them at bit 7), the range's ends
+            q.scale_zero[..., 1].copy_(torch.randint(0, 256, (m, k // 64), device="cuda"))
+            q.scale_zero[:4, :, 1] = torch.tensor([0.0, 127.0, 128.0, 255.0], device="cuda")[:, None]
         assert q.integer_zeros, bits
         for n in (1, 16, 40):
             x = torch.randn(n, k, device="cuda").to(dtype)

@@ -77,7 +77,7 @@ def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, loade
     own (row_err), with and without SPINFER_LOWBIT_XSUM=1 (every segment through the sum). The
     reference is the exact product of the stored values (no rounding of the weights)."""
     monkeypatch.setenv("SPINFER_LOWBIT_GEMV", "1")
-    lim = 1024 if dtype == torch.float16 else 128
+    lo, hi = (-1024, 1023) if dtype == torch.float16 else (0, 255) if bits == 8 else (-128, 127)  # exact zeros
     m, k, levels = 80, 1024, (1 << bits) - 1
     gs = min(GROUPS[bits][1:])  # several groups a chunk where the width takes them
     w_q = torch.randint(0, levels + 1, (m, k), device="cuda")
@@ -85,7 +85,8 @@ def test_gemv_zero_points_integer_fractional_and_out_of_range(bits, dtype, loade
     zero = torch.randint(0, levels + 1, (m, k // gs), device="cuda").float()
     zero[3] += 0.25
     zero[20:28] = torch.rand(8, k // gs, device="cuda") * levels
-    zero[40, 0], zero[41, 1], zero[42, 2] = lim, -lim - 1, 3 * lim
+    zero[40, 0], zero[41, 1], zero[42, 2] = hi + 1, lo - 1, 3 * (hi + 1)
+    zero[43, 0], zero[44, 1], zero[45, 2], zero[46, 3] = hi, lo, 127.5, 128.0
     q = LowBitWeight.from_hqq(w_q, scale.to(dtype), zero.to(dtype), bits, gs, (m, k))
     assert lowbit_plan(q, 1, dtype=dtype)["gemv"]
     w = ((w_q.double() - zero.to(dtype).double().repeat_interleave(gs, 1))

@@ -46,6 +46,8 @@ struct Packed : Dtype<kBF16> {
   static __device__ __forceinline__ bool equal(uint32_t a, uint32_t b) {  // both halves; NaN never equal
     return __hbeq2(pair(a), pair(b));
   }
+  // 0xffff in each half where a >= b, else 0
+  static __device__ __forceinline__ uint32_t ge_mask(uint32_t a, uint32_t b) { return __hge2_mask(pair(a), pair(b)); }
   // Both halves set to v (rounded once); with a constant v the compiler folds it.
   static __device__ __forceinline__ uint32_t splat(float v) {
     const uint32_t u = Dtype<kBF16>::from_float(v);

@@ -381,24 +381,21 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
 #pragma unroll
       for (int j = 0; j < NG; ++j) {
         const int seg = u * NG + j;
-        // zc = magic + zi for rows g and g + 8, zi the zero's integer part (integer_zero): the
-        // sum in the dtype rounds z to an integer, as rintf would, once z is clamped to the range
-        // where magic + zi is exact. bf16 8-bit keeps zi = 0 (lowbit_mm.cuh, unpack_pair).
+        // The zeros of rows g and g + 8 as the A fragments subtract them (segment_zero,
+        // lowbit_mm.cuh), clamped where the launch applies their fractional rest.
         const uint32_t zz = ptx::prmt(s.sz[0][seg], s.sz[1][seg], 0x7632);  // {z row g, z row g + 8}
-        uint32_t zc2 = Nm::kMagic;
-        if constexpr (!(kBF16 && BITS == 8))
-          zc2 = Nm::add(!kFixed || sums ? Nm::clamp(zz, Nm::splat(Nm::kZeroLo), Nm::splat(Nm::kZeroHi)) : zz,
-                        Nm::kMagic);
+        const SegmentZero z2 = segment_zero<kBF16, BITS>(zz, !kFixed || sums);
         uint32_t zc[2], zo[2] = {0u, 0u};
         float sc[2], zf[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
+          zc[h] = ptx::prmt(z2.zc2, z2.zc2, h ? 0x3232 : 0x1010);
           if constexpr (kInPlace<kBF16, BITS>) zo[h] = Nm::sub(Nm::splat(kOddBias<kBF16, BITS>), zc[h]);
+          if constexpr (kBF16 && BITS == 8) zo[h] = ptx::prmt(z2.zo2, z2.zo2, h ? 0x3232 : 0x1010);
           sc[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] & 0xffffu));
-          if (sums)  // z - zi, with zi = zc - magic exact
+          if (sums)  // z - zi, zi exact
             zf[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] >> 16)) -
-                    (Nm::to_float(static_cast<uint16_t>(zc[h] & 0xffffu)) - Nm::kMagicValue);
+                    Nm::to_float(static_cast<uint16_t>(h ? z2.zi2 >> 16 : z2.zi2 & 0xffffu));
         }
         float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll

@@ -229,12 +229,17 @@ __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t z
                              zo);
     return Num<kBF16>::sub(ptx::and_or(base, kMask, Num<kBF16>::kMagic), zc);
   } else if constexpr (kBF16 && BITS == 8) {
-    // bf16 holds 128 + q exactly only for q < 128: convert the low 7 bits that way and add
-    // bit 7 back as 0 or 128 (0x4300); q <= 255 is exact in bf16. zi is always 0 here (q - zi
-    // could reach 383, past bf16's exact integers), so zc is the magic.
-    const uint32_t shifted = word >> (BITS * s);
-    const uint32_t low = ptx::and_or(shifted, 0x007f007fu, Num<true>::kMagic);
-    const uint32_t high = ((shifted >> 7) & 0x00010001u) * 0x4300u;
+    // bf16 holds every integer up to 256 exactly, so q - zi is exact, but 128 + q (the magic
+    // number) only for q < 128. So q = l + 128 b (l its low 7 bits) and zi = zl + 128 zb:
+    //   q - zi = ((128 + l) - zc) + 128 (b - zb),   zc = 128 + zl (bf16_byte_zero)
+    // where zo = zb ? -128 : 0 (bits 0xC300 or 0) and 128 (b - zb) is one LOP3 of b's mask (a
+    // PRMT that replicates bit 7 of values s and s + 2 across their halves), zo and the
+    // immediate 128: mask ? (zo ? 0 : 128) : zo. (As (mask & (zo | 128)) ^ zo the compiler kept
+    // zo | 128 in registers, and the 16-token tiles spilled.) Every intermediate is an integer
+    // of magnitude <= 255: exact.
+    const uint32_t low = ptx::and_or(word >> (BITS * s), 0x007f007fu, Num<true>::kMagic);
+    const uint32_t mask = ptx::prmt(word, 0u, s ? 0xBB99u : 0xAA88u);
+    const uint32_t high = (mask & 0x43004300u & ~zo) | (~mask & zo);
     return Num<true>::add(Num<true>::sub(low, zc), high);
   } else {
     return Num<kBF16>::sub(ptx::and_or(word >> (BITS * s), kMask, Num<kBF16>::kMagic), zc);
@@ -246,14 +251,42 @@ __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t z
 template <bool kBF16, int BITS>
 constexpr float kOddBias = Num<kBF16>::kMagicValue - Num<kBF16>::kMagicValue / (1 << BITS);
 
-// The integer part zi of a zero point that the A fragments subtract exactly (see unpack_pair):
-// |q - zi| and magic + zi must be exact integers in the weight dtype. The rest, z - zi (0 for
-// RTN and GPTQ weights, fractional for HQQ), is applied on the accumulators through sum(x).
+// The integer zero points zi that the A fragments subtract exactly (see unpack_pair): |q - zi|
+// and zc must be exact integers in the weight dtype, zc = magic + zi (bf16 at 8 bits: see
+// bf16_byte_zero). The rest of a zero, z - zi (0 for RTN and GPTQ weights, fractional for HQQ),
+// is applied on the accumulators through sum(x). spinfer/quant/lowbit.py's exact_integer_zeros
+// states the same ranges.
+template <bool kBF16, int BITS>
+constexpr float kZeroLo = kBF16 && BITS == 8 ? 0.f : Num<kBF16>::kZeroLo;
+template <bool kBF16, int BITS>
+constexpr float kZeroHi = kBF16 && BITS == 8 ? 255.f : Num<kBF16>::kZeroHi;
+
+// zi for one zero z. NaN clamps to a number; z - zi stays NaN.
 template <bool kBF16, int BITS>
 __device__ __forceinline__ float integer_zero(float z) {
-  if constexpr (kBF16 && BITS == 8) return 0.f;
-  // NaN clamps to a number; z - zi stays NaN
-  return fminf(fmaxf(rintf(z), Num<kBF16>::kZeroLo), Num<kBF16>::kZeroHi);
+  return fminf(fmaxf(rintf(z), kZeroLo<kBF16, BITS>), kZeroHi<kBF16, BITS>);
+}
+
+// A segment's zero constants for rows g and g + 8 (one in each half, as the scale-zero words
+// hold them): zc2 = magic + zi and zi2 = zi in the dtype, and for bf16 at 8 bits zo2 = zb ? -128
+// : 0 (unpack_pair), with zc2 = 128 + zl. zz: the zeros; clamped to kZeroLo..kZeroHi unless the
+// host found them exact (integer_zeros). Adding the magic rounds a zero below it to an integer as
+// rintf does (ties to even), since the sum's unit is 1.
+struct SegmentZero {
+  uint32_t zc2, zo2, zi2;
+};
+template <bool kBF16, int BITS>
+__device__ __forceinline__ SegmentZero segment_zero(uint32_t zz, bool clamp) {
+  using N = Num<kBF16>;
+  const uint32_t zr = clamp ? N::clamp(zz, N::splat(kZeroLo<kBF16, BITS>), N::splat(kZeroHi<kBF16, BITS>)) : zz;
+  const uint32_t zc = N::add(zr, N::kMagic);
+  if constexpr (kBF16 && BITS == 8) {
+    // zeros of 128 and up are integers in bf16 already: zc = zi = 128 + zl, zo = -128
+    const uint32_t ge = N::ge_mask(zr, N::splat(128.f));
+    return {(zr & ge) | (zc & ~ge), ge & 0xC300C300u, (zr & ge) | (N::sub(zc, N::kMagic) & ~ge)};
+  } else {
+    return {zc, 0u, N::sub(zc, N::kMagic)};
+  }
 }
 
 // A lane's NW words (all BITS of a chunk, or half of them) at byte `offset` of row `r` (whose
@@ -555,9 +588,12 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
       const uint32_t zz = ptx::prmt(sz[0], sz[1], 0x7632);  // {z row g, z row g + 8}
       // The segment from its zc2 (see above) on; sum_path: its zeros go through sum(x). Each call
       // passes its own zc2 and the lambda is inlined, so the integer_zeros copy has no check.
-      auto segment = [&](const uint32_t zc2, const bool sum_path) {
+      auto segment = [&](const SegmentZero z2, const bool sum_path) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) zc[h] = ptx::prmt(zc2, zc2, h ? 0x3232 : 0x1010);
+        for (int h = 0; h < 2; ++h) {
+          zc[h] = ptx::prmt(z2.zc2, z2.zc2, h ? 0x3232 : 0x1010);
+          if constexpr (kBF16 && BITS == 8) zo[h] = ptx::prmt(z2.zo2, z2.zo2, h ? 0x3232 : 0x1010);
+        }
         if constexpr (kInPlace<kBF16, BITS>) {  // zo = kOddBias - zc, e.g. fp16 4-bit -64 - z = 960 - (1024 + z)
 #pragma unroll
           for (int h = 0; h < 2; ++h) zo[h] = Num<kBF16>::sub(Num<kBF16>::splat(kOddBias<kBF16, BITS>), zc[h]);
@@ -608,8 +644,13 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
             const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] >> 16));
             const float zi = integer_zero<kBF16, BITS>(z);
             zf[h] = z - zi;
-            zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
-            zo[h] = Num<kBF16>::splat(kOddBias<kBF16, BITS> - Num<kBF16>::kMagicValue - zi);  // kInPlace only
+            if constexpr (kBF16 && BITS == 8) {  // see segment_zero
+              zc[h] = Num<kBF16>::splat(zi >= 128.f ? zi : Num<kBF16>::kMagicValue + zi);
+              zo[h] = zi >= 128.f ? 0xC300C300u : 0u;
+            } else {
+              zc[h] = Num<kBF16>::splat(Num<kBF16>::kMagicValue + zi);  // exact: an integer below 2048 / 256
+              zo[h] = Num<kBF16>::splat(kOddBias<kBF16, BITS> - Num<kBF16>::kMagicValue - zi);  // kInPlace only
+            }
           }
 #pragma unroll
           for (int p = 0; p < kXTiles; ++p)
@@ -638,20 +679,12 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
         }
       };
       if (args.integer_zeros) {  // uniform over the launch; a copy of the segment without the check
-        segment(kBF16 && BITS == 8 ? Num<kBF16>::kMagic : Num<kBF16>::add(zz, Num<kBF16>::kMagic), false);
+        segment(segment_zero<kBF16, BITS>(zz, false), false);
       } else {
-        uint32_t zc2;
-        bool exact;
-        if constexpr (kBF16 && BITS == 8) {  // integer_zero is 0 here: only z == 0 is exact
-          zc2 = Num<kBF16>::kMagic;
-          exact = Num<kBF16>::equal(zz, 0u);
-        } else {
-          using N = Num<kBF16>;
-          zc2 = N::add(N::clamp(zz, N::splat(N::kZeroLo), N::splat(N::kZeroHi)), N::kMagic);
-          exact = N::equal(N::sub(zc2, N::kMagic), zz);
-        }
+        const SegmentZero z2 = segment_zero<kBF16, BITS>(zz, true);
+        const bool exact = Num<kBF16>::equal(z2.zi2, zz);
         // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
-        segment(zc2, __any_sync(0xffffffffu, !exact) || args.force_xsum);
+        segment(z2, __any_sync(0xffffffffu, !exact) || args.force_xsum);
       }
     }
   };

@@ -124,16 +124,16 @@ def stage_cols(bits: int) -> int:
 
 def exact_integer_zeros(scale_zero: torch.Tensor, bits: int) -> bool:
     """Whether every zero of ``scale_zero`` ``[M, K/g, 2]`` is an integer ``z`` that the fused
-    kernel subtracts inside the tensor-core fragments (``integer_zero`` in
+    kernel subtracts inside the tensor-core fragments (``kZeroLo`` / ``kZeroHi`` in
     spinfer/csrc/lowbit_mm.cuh): ``magic + z`` must be exact in the weight dtype (magic 1024 in
-    fp16, 128 in bf16), so ``z`` in [-1024, 1023] (fp16) or [-128, 127] (bf16), and ``z = 0`` at 8
-    bits in bf16, where ``128 + q`` already fills bf16's exact integers. With this true the
+    fp16, 128 in bf16), so ``z`` in [-1024, 1023] (fp16) or [-128, 127] (bf16); at 8 bits in bf16
+    the kernel splits ``q`` and ``z`` at bit 7 instead, for ``z`` in [0, 255]. With this true the
     kernel skips the per-segment check that sends any other zero through its sum(x) path."""
     z = scale_zero[..., 1].float()
     if scale_zero.dtype == torch.float16:
         lo, hi = -1024.0, 1023.0
     else:
-        lo, hi = (0.0, 0.0) if bits == 8 else (-128.0, 127.0)
+        lo, hi = (0.0, 255.0) if bits == 8 else (-128.0, 127.0)
     return bool(((z == torch.round(z)) & (z >= lo) & (z <= hi)).all())
 
 

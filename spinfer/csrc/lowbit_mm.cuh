@@ -231,7 +231,7 @@ __device__ __forceinline__ uint32_t unpack_pair(uint32_t word, int s, uint32_t z
   } else if constexpr (kBF16 && BITS == 8) {
     // bf16 holds every integer up to 256 exactly, so q - zi is exact, but 128 + q (the magic
     // number) only for q < 128. So q = l + 128 b (l its low 7 bits) and zi = zl + 128 zb:
-    //   q - zi = ((128 + l) - zc) + 128 (b - zb),   zc = 128 + zl (bf16_byte_zero)
+    //   q - zi = ((128 + l) - zc) + 128 (b - zb),   zc = 128 + zl (segment_zero)
     // where zo = zb ? -128 : 0 (bits 0xC300 or 0) and 128 (b - zb) is one LOP3 of b's mask (a
     // PRMT that replicates bit 7 of values s and s + 2 across their halves), zo and the
     // immediate 128: mask ? (zo ? 0 : 128) : zo. (As (mask & (zo | 128)) ^ zo the compiler kept
@@ -253,7 +253,7 @@ constexpr float kOddBias = Num<kBF16>::kMagicValue - Num<kBF16>::kMagicValue / (
 
 // The integer zero points zi that the A fragments subtract exactly (see unpack_pair): |q - zi|
 // and zc must be exact integers in the weight dtype, zc = magic + zi (bf16 at 8 bits: see
-// bf16_byte_zero). The rest of a zero, z - zi (0 for RTN and GPTQ weights, fractional for HQQ),
+// segment_zero). The rest of a zero, z - zi (0 for RTN and GPTQ weights, fractional for HQQ),
 // is applied on the accumulators through sum(x). spinfer/quant/lowbit.py's exact_integer_zeros
 // states the same ranges.
 template <bool kBF16, int BITS>
@@ -644,7 +644,10 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
             const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] >> 16));
             const float zi = integer_zero<kBF16, BITS>(z);
             zf[h] = z - zi;
-            if constexpr (kBF16 && BITS == 8) {  // see segment_zero
+            // segment_zero's constants from zi in fp32 (the same values; as a call to it with zi
+            // packed, this path spilled the hot kernels of other widths: 1, 2 and 4 bits at 8-16
+            // tokens, 4-8 bytes)
+            if constexpr (kBF16 && BITS == 8) {
               zc[h] = Num<kBF16>::splat(zi >= 128.f ? zi : Num<kBF16>::kMagicValue + zi);
               zo[h] = zi >= 128.f ? 0xC300C300u : 0u;
             } else {

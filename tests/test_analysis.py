@@ -439,3 +439,18 @@ def test_pdl_glue_replaces_e2e_functions_by_name():
         assert list(inspect.signature(fn).parameters) == [
             p.name for p in inspect.signature(kernel).parameters.values()
             if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD], name
+
+
+def test_lowbit_summary_names_the_targets_dtype(capsys):
+    """bench lowbit --dtype bf16 prints its geomeans against issue 4's targets, which are ratios to
+    cuBLAS fp16: the verdict says so, and an fp16 run's does not."""
+    from spinfer.bench.lowbit import SHAPES, print_summary
+
+    rows = [dict(M=m, K=k, N=1, bits=4, group=128, speedup=3.0, pct_copy=80.0, int4_speedup=None,
+                 timing_suspect=False) for m, k in SHAPES]
+    print_summary(rows, "bf16")
+    out = capsys.readouterr().out
+    assert "x cuBLAS bf16" in out and "fp16 target >= 3.3x: MISSED" in out
+    print_summary(rows)
+    out = capsys.readouterr().out
+    assert "x cuBLAS fp16" in out and "  target >= 3.3x: MISSED" in out and "fp16 target" not in out

@@ -7,7 +7,7 @@ pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bul
 and tensor copies of the activations, boxes below a tile (N = 20) and past N (33); or the cp.async
 loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the low-bit GEMV
 kernel at every width, two groups a chunk below 4 bits and at 8, both loaders (registers and the
-shared-memory ring), with both zero-point paths, and its split tail rows; the weight-to-dense
+shared-memory ring, the ring with blocks of 8 warps and of 4), with both zero-point paths, and its split tail rows; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets."""
 
 import os
@@ -65,14 +65,16 @@ for bits in (1, 2, 4, 8):
 os.environ.pop("SPINFER_LOWBIT_PAIRS")
 os.environ.pop("SPINFER_LOWBIT_SPLITS")
 # the GEMV kernel (lowbit_gemv.cuh, N = 1): odd M and K, one row, a warp with no stage, a K of many
-# stages a warp (each warp's two x buffers, or its ring's two slots, refilled), both loaders, both
-# zero-point paths, the integer check skipped and not
+# stages a warp (each warp's two x buffers, or its ring's two slots, refilled), both loaders (the
+# ring with 8 and 4 warps a block), both zero-point paths, the integer check skipped and not
 os.environ["SPINFER_LOWBIT_GEMV"] = "1"
 for bits in (1, 2, 4, 8):
     for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128 if bits == 4 else 64),
                         (17, 9216, 128)]:
-        for xsum, ring in (("0", "0"), ("1", "0"), ("0", "2"), ("1", "2")):
+        for xsum, ring, warps in (("0", "0", "8"), ("1", "0", "8"), ("0", "2", "8"), ("1", "2", "8"), ("0", "2", "4"),
+                                  ("1", "2", "4")):
             os.environ["SPINFER_LOWBIT_RING"] = ring
+            os.environ["SPINFER_GEMV_WARPS"] = warps
             os.environ["SPINFER_LOWBIT_XSUM"] = xsum
             for dt in (torch.float16, torch.bfloat16):
                 q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
@@ -87,6 +89,7 @@ from spinfer.ops.lowbit_mm import lowbit_plan  # noqa: E402
 
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 os.environ["SPINFER_LOWBIT_RING"] = "0"  # (the ring never splits its tail rows)
+os.environ.pop("SPINFER_GEMV_WARPS")
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for bits in (2, 8):
     q = LowBitWeight.quantize(torch.randn(16, 6300, device="cuda").half(), bits, None)

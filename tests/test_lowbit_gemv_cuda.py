@@ -1,9 +1,9 @@
 """The low-bit GEMV kernel (spinfer/csrc/lowbit_gemv.cuh: one token, 1, 2, 4 and 8 bits, blocks of
 16 rows) against the exact float64 reference: odd M and K, every group size it takes, both loaders
-(registers and the shared-memory ring), bias, fp16 and bf16, integer, fractional and out-of-range
-zero points, NaN-poisoned outputs, the planner's rules, determinism and CUDA graphs.
-SPINFER_LOWBIT_GEMV=1 forces it where it exists, SPINFER_LOWBIT_RING=0 / 2 either loader. Skipped
-without a GPU."""
+(registers and the shared-memory ring, with 8 or 4 warps a block), bias, fp16 and bf16, integer,
+fractional and out-of-range zero points, NaN-poisoned outputs, the planner's rules, determinism and
+CUDA graphs. SPINFER_LOWBIT_GEMV=1 forces it where it exists, SPINFER_LOWBIT_RING=0 / 2 either
+loader, SPINFER_GEMV_WARPS=8 / 4 the ring's warps a block. Skipped without a GPU."""
 
 import pytest
 import torch
@@ -22,12 +22,15 @@ GROUPS = {1: (None, 256, 128, 64), 2: (None, 256, 128, 64), 4: (None, 256, 128),
 UNSUPPORTED = ((1, 32), (2, 32), (4, 64), (4, 32), (8, 32))
 
 
-@pytest.fixture(params=["0", "2"], ids=["registers", "ring"])
+@pytest.fixture(params=[("0", 8), ("2", 8), ("2", 4)], ids=["registers", "ring", "ring-4-warps"])
 def loader(request, monkeypatch):
     """Each of the GEMV's loaders, forced: a stage's words straight into registers (0) or through
-    each warp's ring of two shared-memory slots (2)."""
-    monkeypatch.setenv("SPINFER_LOWBIT_RING", request.param)
-    return request.param
+    each warp's ring of two shared-memory slots (2), the ring with blocks of 8 warps or of 4 (each
+    warp taking twice the stages). Returns (ring slots, warps a block)."""
+    ring, warps = request.param
+    monkeypatch.setenv("SPINFER_LOWBIT_RING", ring)
+    monkeypatch.setenv("SPINFER_GEMV_WARPS", str(warps))
+    return int(ring), warps
 
 
 def row_err(out, ref, x, w):
@@ -55,7 +58,7 @@ def test_gemv_matches_the_reference(bits, dtype, loader, monkeypatch):
                         (100, 2560, g[-2]), (64, 6144, None), (70, 1280, g[-1]), last):
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
         plan = lowbit_plan(q, 1, dtype=dtype)
-        assert plan["gemv"] and plan["gemv_ring"] == int(loader), (m, k, group, plan)
+        assert plan["gemv"] and (plan["gemv_ring"], plan["gemv_warps"]) == loader, (m, k, group, plan)
         bias = torch.randn(m, device="cuda").to(dtype)
         x = torch.randn(1, k, device="cuda").to(dtype)
         w = q.to("cpu").dequantize()
@@ -257,13 +260,21 @@ def test_gemv_tail_rule_on_large_layers(bits):
 
 def ring_rule(bits, group, k, row_blocks, register_slots):
     """lowbit_mm.cu's gemv_ring_slots: the shared-memory ring (2 slots a warp) with groups of 64 at
-    1 and 2 bits, and at 1, 2 and 4 bits on rows of at least 8192 columns whose row blocks fill a
-    wave of the register loader's slots; the registers elsewhere and at 8 bits."""
+    1 and 2 bits, and at 1, 2 and 4 bits on short rows (at most 4096 columns, padded to 256) and on
+    rows of at least 8192 columns whose row blocks fill a wave of the register loader's slots; the
+    registers elsewhere and at 8 bits."""
     if bits == 8:
         return 0
     if bits <= 2 and group == 64:
         return 2
+    if short_rows(k):
+        return 2
     return 2 if k >= 8192 and row_blocks >= register_slots else 0
+
+
+def short_rows(k):
+    """lowbit_mm.cu's gemv_short_rows: 8 warps would take at most 2 stages of 256 columns each."""
+    return (k + 255) // 256 * 256 <= 2 * 8 * 256
 
 
 @pytest.mark.parametrize("bits,group", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128)])
@@ -277,24 +288,32 @@ def test_gemv_ring_rule(bits, group, monkeypatch):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
 
-    def plan(m, k, ring=None):
-        if ring is None:
-            monkeypatch.delenv("SPINFER_LOWBIT_RING", raising=False)
-        else:
-            monkeypatch.setenv("SPINFER_LOWBIT_RING", ring)
+    def plan(m, k, ring=None, warps=None):
+        for key, value in (("SPINFER_LOWBIT_RING", ring), ("SPINFER_GEMV_WARPS", warps)):
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, value)
         return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, group, 0)))
 
     for m, k in ((28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096), (8192, 8192),
-                 (2048, 8192)):
+                 (2048, 8192), (11008, 2048), (4096, 4000), (4096, 4200)):
         registers, ring, auto = plan(m, k, "0"), plan(m, k, "2"), plan(m, k)
         assert registers["gemv_ring"] == 0 and ring["gemv_ring"] == 2 and ring["tail_splits"] == 0, (m, k, ring)
+        assert registers["gemv_warps"] == 8 and ring["gemv_warps"] == (4 if short_rows(k) else 8), (m, k, ring)
+        assert plan(m, k, "0", "4")["gemv_warps"] == 8, (m, k)  # the registers have no 4-warp blocks
+        ring8, ring4 = plan(m, k, "2", "8"), plan(m, k, "2", "4")
+        assert (ring8["gemv_warps"], ring4["gemv_warps"]) == (8, 4), (m, k)
+        if bits == 4:  # blocks of 4 warps take half the registers and shared memory
+            assert ring4["resident_blocks"] == 2 * ring8["resident_blocks"], (m, k, ring4, ring8)
         assert ring["resident_blocks"] >= 1 and registers["resident_blocks"] >= 1
         want = ring_rule(bits, group, k, registers["row_blocks"], sms * registers["resident_blocks"])
         if want and tail_rule(ring["row_blocks"], ring["resident_blocks"], k, bits)[1] >= 2:
             want = 0  # the ring would leave tail rows to split
         assert auto["gemv_ring"] == want, (m, k, auto)
         same = ring if want else registers
-        assert all(auto[f] == same[f] for f in ("resident_blocks", "tail_first", "tail_splits", "grid_blocks")), (m, k)
+        assert all(auto[f] == same[f] for f in ("resident_blocks", "tail_first", "tail_splits", "grid_blocks",
+                                                "gemv_warps")), (m, k)
         if bits == 4:  # the ring keeps no stage in registers: more blocks fit
             assert ring["resident_blocks"] >= registers["resident_blocks"], (ring, registers)
 

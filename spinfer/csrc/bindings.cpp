@@ -355,7 +355,8 @@ std::vector<int64_t> lowbit_plan_cuda(const at::Tensor& x, int64_t m, int64_t k,
                                       x.scalar_type() == at::kBFloat16, static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   return {p.bn,         p.n_tiles,     p.row_blocks, p.grid_blocks, p.splits,     p.iters_per_split,
           p.blocks_per_sm, p.variant == kLowbitBalanced, p.tail_first, p.tail_splits, p.tail_iters,
-          lowbit_tile_rows(p.variant), p.bulk_weights, p.variant == kLowbitGemv, p.gemv_ring};
+          lowbit_tile_rows(p.variant), p.bulk_weights, p.variant == kLowbitGemv, p.gemv_ring,
+          p.gemv_warps};
 }
 
 // ---- tca_bme_to_dense / lowbit_to_dense: the weight as a dense [m, k] matrix (to_dense.cu). The

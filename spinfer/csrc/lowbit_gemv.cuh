@@ -3,10 +3,11 @@
 // which group sizes).
 //
 // Read top to bottom:
-//  * A block of 8 warps owns 16 output rows (a quarter of one of the format's 64-row tiles) and
-//    all of K. Warp w takes stages w, w + 8, w + 16, ... of those rows; at the end the block sums
-//    the 8 warps' accumulators through shared memory in warp order (deterministic), adds bias and
-//    casts. A layer has ceil(M / 16) blocks, 4x the fused kernel's, and the block scheduler hands
+//  * A block of W warps owns 16 output rows (a quarter of one of the format's 64-row tiles) and
+//    all of K: W = 8, or 4 on the ring on short rows (K <= 4096, where 8 warps would take at most
+//    2 stages each; lowbit_mm.cu, gemv_warps). Warp w takes stages w, w + W, w + 2 W, ... of those
+//    rows; at the end the block sums the W warps' accumulators through shared memory in warp order
+//    (deterministic), adds bias and casts. A layer has ceil(M / 16) blocks, 4x the fused kernel's, and the block scheduler hands
 //    them out as SMs free up. Where the row blocks are long (16 rows x K of at least 80 KB, 128
 //    at 8 bits: lowbit_mm.cu) the rows past the last whole wave of resident blocks run split-K
 //    instead, as the fused kernel's tail rows do (schedule.cuh, tail_split): alone, one an SM,
@@ -56,15 +57,18 @@ namespace spinfer {
 namespace lowbit {
 
 constexpr int kGemvWarps = 8;
-constexpr int kGemvThreads = 32 * kGemvWarps;
+// Warps a block of the ring on short rows, where 8 would take at most 2 stages each (lowbit_mm.cu,
+// gemv_short_rows and why).
+constexpr int kGemvShortWarps = 4;
 constexpr int kGemvRows = 16;
 // 80 registers: the stage in flight and the one computed. With 4 resident blocks (64 registers)
 // the prefetch spilled at 4 bits; without it, 4 blocks measured slower than this (the probe).
 constexpr int kGemvMinBlocks = 3;
 // The ring path at 4 bits: 4 resident blocks (at most 64 registers). It took 52 before its lane
 // addresses were kept in registers (RingLane, below), 66 after without this cap.
-template <int BITS, int kRing>
-constexpr int kGemvMinBlocksFor = kRing > 0 && BITS == 4 ? 4 : kGemvMinBlocks;
+// With W warps a block instead of 8, 8 / W times as many blocks under the same register cap.
+template <int BITS, int kRing, int W = kGemvWarps>
+constexpr int kGemvMinBlocksFor = (kRing > 0 && BITS == 4 ? 4 : kGemvMinBlocks) * kGemvWarps / W;
 // The (width, scale groups per 128-column chunk) pairs the GEMV is built for: those whose stage,
 // the lane's words of rows g and g + 8 and their (scale, zero) pairs, takes at most 20 registers,
 // as 4-bit g128 does (16 words + 4 pairs; with 2 groups a chunk its stage in flight spilled 16
@@ -101,9 +105,9 @@ constexpr int kGemvRingSlots = 2;
 // (lowbit_mm.cu, gemv_ring_slots): the layers of Llama-70B (8192 and 28672 columns), not those of
 // Llama-8B (4096 and 14336, the 14336-column ones under a wave).
 constexpr int kGemvRingMinK = 8192;
-template <int BITS, int NG, int R>
+template <int BITS, int NG, int R, int W = kGemvWarps>
 constexpr int gemv_smem_bytes() {
-  return kGemvWarps * R * gemv_slot_bytes<BITS, NG>();
+  return W * R * gemv_slot_bytes<BITS, NG>();
 }
 // Where 16-byte piece i of a stage's rows sits in its slot: a row's pieces XOR-swizzled so that
 // the lanes' fragment reads (rows g and g + 8, lane t's bytes 4 BITS t of each chunk) of one
@@ -137,8 +141,9 @@ struct Fixed {
 // one process, thirty-fifth session).
 // kRing: 0 keeps a stage in flight in registers (above); R >= 2 gives each warp a shared-memory
 // ring of R stage slots (weights, scales and x of a stage, one cp.async group), R - 1 in flight.
-template <bool kBF16, int BITS, int NG, bool kTail, int kRing>
-__global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)) lowbit_gemv_kernel(const LowbitArgs args) {
+// W: warps a block (kGemvWarps, or kGemvShortWarps on the ring).
+template <bool kBF16, int BITS, int NG, bool kTail, int kRing, int W = kGemvWarps>
+__global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, kRing, W>)) lowbit_gemv_kernel(const LowbitArgs args) {
   static_assert(gemv_supported(BITS, NG), "a stage in at most 20 registers");
   static_assert(kRing == 0 || kRing >= 2, "a ring of at least two slots");
   constexpr int U = chunks_per_stage<BITS>();
@@ -153,8 +158,8 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
   static_assert(kXLanes <= 32 && kSegLanes <= 16, "a stage's x slice is one 16-byte copy a lane");
   using Nm = Num<kBF16>;
   // the register path's x buffers (a token 16 bytes a warp on the ring path, which holds x in its slots)
-  __shared__ __align__(16) unsigned char xbuf[kGemvWarps][kRing == 0 ? 2 : 1][kRing == 0 ? kXBytes : 16];
-  __shared__ float red[kGemvWarps][kGemvRows];
+  __shared__ __align__(16) unsigned char xbuf[W][kRing == 0 ? 2 : 1][kRing == 0 ? kXBytes : 16];
+  __shared__ float red[W][kGemvRows];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int stages = args.kp / kCols;
@@ -339,13 +344,13 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
     // their x: 2 (R - 1) groups; every step then adds one and waits for all but R - 2.
 #pragma unroll
     for (int i = 0; i < kRing - 1; ++i) {
-      if (first + warp + kGemvWarps * i < end) copy_w(i, first + warp + kGemvWarps * i);
+      if (first + warp + W * i < end) copy_w(i, first + warp + W * i);
       ptx::cp_async_commit_group();
     }
     ptx::griddep_wait();
 #pragma unroll
     for (int i = 0; i < kRing - 1; ++i) {
-      if (first + warp + kGemvWarps * i < end) copy_x(i, first + warp + kGemvWarps * i);
+      if (first + warp + W * i < end) copy_x(i, first + warp + W * i);
       ptx::cp_async_commit_group();
     }
   }
@@ -437,7 +442,7 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
   // One step: compute stage st from `now` and x buffer b, with stage st + 8 going out into `ahead`
   // and buffer b ^ 1.
   auto step = [&](Stage& now, Stage& ahead, const int b, const int st, const auto sums_arg) {
-    const int nx = st + kGemvWarps;
+    const int nx = st + W;
     ptx::cp_async_wait_group<0>();
     __syncwarp();
     const uint32_t after = ptx::zero_after(now.sz[0][0]);
@@ -447,23 +452,23 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
   };
   auto run = [&](const auto sums_arg) {
     if constexpr (kRing == 0) {
-      for (int st = first + warp; st < end; st += 2 * kGemvWarps) {
+      for (int st = first + warp; st < end; st += 2 * W) {
         step(cur, nxt, 0, st, sums_arg);
-        if (st + kGemvWarps >= end) break;
-        step(nxt, cur, 1, st + kGemvWarps, sums_arg);
+        if (st + W >= end) break;
+        step(nxt, cur, 1, st + W, sums_arg);
       }
     } else {
       // Slot `slot` holds stage st; the slot before it (computed by the last step, read by every
       // lane before this step's __syncwarp) takes stage st + 8 (R - 1). The warp's k-th stage is
       // in slot k % R: unrolled over the slots, so that each step's slot is a constant.
-      for (int st0 = first + warp; st0 < end; st0 += kRing * kGemvWarps) {
+      for (int st0 = first + warp; st0 < end; st0 += kRing * W) {
 #pragma unroll
         for (int slot = 0; slot < kRing; ++slot) {
-          const int st = st0 + slot * kGemvWarps;
+          const int st = st0 + slot * W;
           if (st >= end) break;
           ptx::cp_async_wait_group<kRing - 2>();
           __syncwarp();
-          const int nx = st + kGemvWarps * (kRing - 1), free_slot = slot == 0 ? kRing - 1 : slot - 1;
+          const int nx = st + W * (kRing - 1), free_slot = slot == 0 ? kRing - 1 : slot - 1;
           if (nx < end) {
             copy_w(free_slot, nx);
             copy_x(free_slot, nx);
@@ -492,7 +497,7 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
   float v = 0.f;
   if (threadIdx.x < kGemvRows) {
 #pragma unroll
-    for (int w = 0; w < kGemvWarps; ++w) v += red[w][threadIdx.x];
+    for (int w = 0; w < W; ++w) v += red[w][threadIdx.x];
   }
   if (kTail && is_split) {
     // The row block's splits meet in the workspace ([splits][row blocks][16] floats, a 1-token
@@ -503,7 +508,7 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
     if (threadIdx.x < kGemvRows) args.workspace[split * split_stride + rb * kGemvRows + threadIdx.x] = v;
     if (!arrive_last(args.counters, rb, args.tail_splits, threadIdx.x, &s_last)) return;
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, 1};
-    reduce_splits<kBF16, kGemvRows, kGemvThreads>(out, args.workspace + rb * kGemvRows, split_stride,
+    reduce_splits<kBF16, kGemvRows, (32 * W)>(out, args.workspace + rb * kGemvRows, split_stride,
                                                    args.tail_splits, row0, 0, kGemvRows, threadIdx.x);
     if (threadIdx.x == 0) args.counters[rb] = 0;  // re-armed for the next launch
     return;
@@ -523,10 +528,10 @@ __global__ void __launch_bounds__(kGemvThreads, (kGemvMinBlocksFor<BITS, kRing>)
 // g64, 20 at 1-bit g64), opted in once per device.
 template <bool kBF16, int BITS, int NG>
 struct GemvLauncher {
-  template <bool kTail, int R>
+  template <bool kTail, int R, int W = kGemvWarps>
   static cudaError_t launch_variant(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
-    constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG, kTail, R>;
-    constexpr int smem = gemv_smem_bytes<BITS, NG, R>();
+    constexpr auto kernel = lowbit_gemv_kernel<kBF16, BITS, NG, kTail, R, W>;
+    constexpr int smem = gemv_smem_bytes<BITS, NG, R, W>();
     if constexpr (smem > 0) {
       static std::atomic<uint64_t> allowed{0};  // per kernel
       if (const cudaError_t e = allow_smem_once(kernel, smem, allowed); e != cudaSuccess) return e;
@@ -537,25 +542,29 @@ struct GemvLauncher {
     // ld.global.nc stream does not: docs/kernels.md, v13).
     const StreamWindow window =
         R > 0 ? stream_window(args.qweight, lowbit_qweight_bytes(args.m, args.kp, BITS)) : StreamWindow{};
-    return launch_kernel_window(kernel, dim3(plan.grid_blocks), kGemvThreads, smem, stream, plan.pdl, window, a);
+    return launch_kernel_window(kernel, dim3(plan.grid_blocks), 32 * W, smem, stream, plan.pdl, window, a);
   }
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
     const bool tail = plan.tail_splits > 1;
     if (plan.gemv_ring != 0) {  // (the planner never splits the ring's tail rows)
-      if (plan.gemv_ring != kGemvRingSlots || tail) return cudaErrorInvalidValue;
+      if (tail || plan.gemv_ring != kGemvRingSlots) return cudaErrorInvalidValue;
+      if (plan.gemv_warps == kGemvShortWarps) return launch_variant<false, kGemvRingSlots, kGemvShortWarps>(args, plan, stream);
+      if (plan.gemv_warps != kGemvWarps) return cudaErrorInvalidValue;
       return launch_variant<false, kGemvRingSlots>(args, plan, stream);
     }
+    if (plan.gemv_warps != kGemvWarps) return cudaErrorInvalidValue;
     return tail ? launch_variant<true, 0>(args, plan, stream) : launch_variant<false, 0>(args, plan, stream);
   }
-  static int blocks_per_sm(int ring) {
+  template <int R, int W>
+  static int occupancy() {
     int blocks = 1;
-    const cudaError_t e =
-        ring == 0 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, lowbit_gemv_kernel<kBF16, BITS, NG, false, 0>,
-                                                                  kGemvThreads, 0)
-                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                        &blocks, lowbit_gemv_kernel<kBF16, BITS, NG, false, kGemvRingSlots>, kGemvThreads,
-                        gemv_smem_bytes<BITS, NG, kGemvRingSlots>());
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, lowbit_gemv_kernel<kBF16, BITS, NG, false, R, W>, 32 * W, gemv_smem_bytes<BITS, NG, R, W>());
     return e == cudaSuccess && blocks > 0 ? blocks : 1;
+  }
+  static int blocks_per_sm(int ring, int warps) {
+    if (ring == 0) return occupancy<0, kGemvWarps>();
+    return warps == kGemvShortWarps ? occupancy<kGemvRingSlots, kGemvShortWarps>() : occupancy<kGemvRingSlots, kGemvWarps>();
   }
 };
 
@@ -574,16 +583,16 @@ cudaError_t launch_gemv(const LowbitArgs& args, const LowbitPlan& plan, cudaStre
   return with_groups<kBF16, BITS>(plan.ng, [&](auto g) { return decltype(g)::launch(args, plan, stream); });
 }
 template <bool kBF16, int BITS>
-int gemv_blocks_per_sm(int ng, int ring) {
-  return with_groups<kBF16, BITS>(ng, [&](auto g) { return decltype(g)::blocks_per_sm(ring); });
+int gemv_blocks_per_sm(int ng, int ring, int warps) {
+  return with_groups<kBF16, BITS>(ng, [&](auto g) { return decltype(g)::blocks_per_sm(ring, warps); });
 }
 
 #define SPINFER_GEMV_INSTANTIATE(BF16, BITS)                                                           \
   template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  template int gemv_blocks_per_sm<BF16, BITS>(int, int);
+  template int gemv_blocks_per_sm<BF16, BITS>(int, int, int);
 #define SPINFER_GEMV_EXTERN(BF16, BITS)                                                                       \
   extern template cudaError_t launch_gemv<BF16, BITS>(const LowbitArgs&, const LowbitPlan&, cudaStream_t); \
-  extern template int gemv_blocks_per_sm<BF16, BITS>(int, int);
+  extern template int gemv_blocks_per_sm<BF16, BITS>(int, int, int);
 
 }  // namespace lowbit
 }  // namespace spinfer

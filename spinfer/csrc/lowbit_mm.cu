@@ -60,13 +60,28 @@ int blocks_per_sm_for(int device, bool bf16, int bits, int bn, int ng, int varia
 }
 
 // Resident blocks per SM of the GEMV kernel, asked once per device, dtype, width and groups.
-int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
-  return asked_once(std::make_tuple(device, bf16, bits, ng, ring), [&] {
+int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring, int warps = kGemvWarps) {
+  return asked_once(std::make_tuple(device, bf16, bits, ng, ring, warps), [&] {
     return by_bits(bits, [&](auto b) {
-      return bf16 ? gemv_blocks_per_sm<true, b()>(ng, ring) : gemv_blocks_per_sm<false, b()>(ng, ring);
+      return bf16 ? gemv_blocks_per_sm<true, b()>(ng, ring, warps) : gemv_blocks_per_sm<false, b()>(ng, ring, warps);
     });
   });
 }
+
+// Rows short enough that a block of 8 warps gives each at most 2 stages (256 columns each below 8
+// bits): K <= 4096 on the padded K. There the GEMV runs on the ring with 4 warps a block
+// (kGemvShortWarps): each warp takes twice the stages, after one first-load latency, and twice
+// the blocks fit an SM (14336x4096: 896 blocks in one wave of 8 an SM, not 1.7 waves of 4).
+// Why (H100, one process, least of 3 shuffled rounds, N = 1, us, registers / ring of 8 warps /
+// ring of 4; docs/quant.md, forty-sixth session): 4-bit g128 14336x4096 15.9 / 15.5 / 15.2,
+// 28672x4096 26.0 / 25.6 / 25.2, 6144x4096 9.4 / 9.3 / 9.0, 11008x2048 9.6 / 8.8 / 8.5; 2-bit g128
+// 14336x4096 13.1 / 12.3 / 11.5, 28672x4096 20.4 / 18.9 / 17.8; 4-bit g256 14336x4096 15.5 / 15.3 /
+// 14.4. The one loss: 4096x4096 (256 blocks, 8 warps an SM with 4 a block) at 1 and 2 bits, 0.1-0.2
+// us. On longer rows 4 warps lost (4096x14336 4-bit 15.4 / 15.1 / 16.0, 28672x8192 46.0 / 46.0 /
+// 46.8), and deeper rings (3 or 4 slots) lost everywhere. End to end (benchmarks/ab_e2e.py, four
+// Llama-8B layers, batch 1, x dense, same process, against the previous rule): w4 2.71 -> 2.74x,
+// w2 g64 3.21 -> 3.26x, w2 g128 3.46 -> 3.60x.
+bool gemv_short_rows(int kp) { return kp <= 2 * kGemvWarps * 256; }
 
 // The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots where
 // a 128-column chunk holds two groups (groups of 64 at 1 and 2 bits), and on rows of at least
@@ -92,13 +107,23 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring) {
 // / ring on every layer: Llama-8B-shaped (4 layers, K = 4096 and 14336) w4 2.54-2.60 / 2.47-2.52,
 // w2 g128 3.27 / 3.08, w2 g64 2.81 / 2.94; Llama-70B-shaped (2 layers, K = 8192 and 28672) w4
 // 3.15 / 3.19, w2 g128 4.31 / 4.61, w2 g64 3.84 / 4.15.
+// Short rows (gemv_short_rows) take the ring too, with 4 warps a block.
 int gemv_ring_slots(int bits, int k, int ng, int row_blocks, int register_slots, bool* forced) {
   const char* env = std::getenv("SPINFER_LOWBIT_RING");
   *forced = env != nullptr;
   if (env) return std::atoi(env) == kGemvRingSlots ? kGemvRingSlots : 0;
   if (bits == 8) return 0;
   if (bits <= 2 && ng == 2) return kGemvRingSlots;
+  if (gemv_short_rows(k)) return kGemvRingSlots;
   return k >= kGemvRingMinK && row_blocks >= register_slots ? kGemvRingSlots : 0;
+}
+
+// The GEMV's warps a block on the ring: kGemvShortWarps on short rows, kGemvWarps elsewhere (and
+// always on the registers). SPINFER_GEMV_WARPS=4|8 forces either on the ring.
+int gemv_warps(int k, int ring) {
+  if (ring == 0) return kGemvWarps;
+  if (const char* env = std::getenv("SPINFER_GEMV_WARPS")) return std::atoi(env) == kGemvShortWarps ? kGemvShortWarps : kGemvWarps;
+  return gemv_short_rows(k) ? kGemvShortWarps : kGemvWarps;
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
@@ -316,10 +341,12 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     // The shared-memory ring where it pays (gemv_ring_slots) and its own resident blocks leave no
     // tail rows to split; forced (SPINFER_LOWBIT_RING=2), it runs without the split.
     bool forced = false;
+    p.gemv_warps = kGemvWarps;
     if (const int ring = gemv_ring_slots(bits, kp, p.ng, p.row_blocks, sms * resident, &forced); ring > 0) {
-      const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring);
+      const int warps = gemv_warps(kp, ring);
+      const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring, warps);
       if (forced || tail_for(sms * ring_resident).splits <= 1) {
-        p.gemv_ring = ring, resident = ring_resident, t = TailSplit{0, 0, 0};
+        p.gemv_ring = ring, p.gemv_warps = warps, resident = ring_resident, t = TailSplit{0, 0, 0};
       }
     }
     p.blocks_per_sm = resident;

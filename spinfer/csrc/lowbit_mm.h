@@ -85,6 +85,8 @@ struct LowbitPlan {
   // The GEMV's loader (lowbit_gemv.cuh): 0, each lane's words of a stage straight into registers;
   // 2, each warp's ring of 2 shared-memory slots filled by cp.async (lowbit_mm.cu, gemv_ring_slots).
   int gemv_ring;
+  // The GEMV's warps a block: 8, or 4 on the ring on short rows (lowbit_mm.cu, gemv_warps).
+  int gemv_warps;
   int64_t workspace_floats;
   int counters;
   bool pdl;        // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)

@@ -153,7 +153,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
 # Field names of spinfer::lowbit_plan's result, in order (spinfer/csrc/lowbit_mm.h, LowbitPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "row_blocks", "grid_blocks", "splits", "iters_per_split", "resident_blocks",
                "balanced", "tail_first", "tail_splits", "tail_iters", "tile_rows", "bulk_weights", "gemv",
-               "gemv_ring")
+               "gemv_ring", "gemv_warps")
 
 
 def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -173,8 +173,11 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     ``SPINFER_LOWBIT_GEMV=1|0`` forces it), and the GEMV's loader (``gemv_ring``: 0, each lane's
     words of a stage straight into registers; 2, each warp's ring of two shared-memory slots, with
     groups of 64 at 1 and 2 bits and, at 1, 2 and 4 bits, on rows of at least 8192 columns whose
-    row blocks fill a wave of the register loader's slots; never at 8 bits or with split tail rows;
-    ``SPINFER_LOWBIT_RING=0|2`` forces it).
+    row blocks fill a wave of the register loader's slots, and on short rows (K <= 4096); never at
+    8 bits or with split tail rows; ``SPINFER_LOWBIT_RING=0|2`` forces it), and the GEMV's warps a
+    block (``gemv_warps``: 4 on the ring on short rows, where each warp then takes twice the stages
+    and twice the blocks fit an SM; 8 elsewhere; ``SPINFER_GEMV_WARPS=8|4`` forces either on the
+    ring; 0 for the fused kernel).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)

@@ -258,18 +258,11 @@ def test_gemv_tail_rule_on_large_layers(bits):
             assert (plan["tail_splits"] >= 2) == (bits > 1) and plan["gemv_ring"] == 0, plan
 
 
-def ring_rule(bits, group, k, row_blocks, register_slots):
-    """lowbit_mm.cu's gemv_ring_slots: the shared-memory ring (2 slots a warp) with groups of 64 at
-    1 and 2 bits, and at 1, 2 and 4 bits on short rows (at most 4096 columns, padded to 256) and on
-    rows of at least 8192 columns whose row blocks fill a wave of the register loader's slots; the
-    registers elsewhere and at 8 bits."""
-    if bits == 8:
-        return 0
-    if bits <= 2 and group == 64:
-        return 2
-    if short_rows(k):
-        return 2
-    return 2 if k >= 8192 and row_blocks >= register_slots else 0
+def ring_rule(bits):
+    """lowbit_mm.cu's gemv_ring_slots: the shared-memory ring (2 slots a warp) at 1, 2 and 4 bits,
+    the registers at 8 bits (the planner then keeps the registers where the ring would leave tail
+    rows to split)."""
+    return 0 if bits == 8 else 2
 
 
 def short_rows(k):
@@ -279,13 +272,14 @@ def short_rows(k):
 
 @pytest.mark.parametrize("bits,group", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128)])
 def test_gemv_ring_rule(bits, group, monkeypatch):
-    """The planner's loader (gemv_ring_slots) on the issue's and Llama-8B's layers and two of 8192
-    columns, one filling a wave and one under it: the ring by
+    """The planner's loader (gemv_ring_slots) on the issue's and Llama-8B's layers, two of 8192
+    columns (one filling a wave and one under it) and short rows of 2048-4096 columns: the ring by
     ring_rule unless its own resident blocks would leave tail rows to split (then the registers and
     their split tail), reported with its resident blocks; SPINFER_LOWBIT_RING=0 / 2 forces either,
-    the forced ring without a split. Plans only."""
+    the forced ring without a split. The ring's blocks have 4 warps on short rows, 8 elsewhere
+    (gemv_warps), twice as many of them resident at 4 bits; SPINFER_GEMV_WARPS=8 / 4 forces either
+    on the ring and leaves the registers at 8. Plans only."""
     spinfer.build.load_extension()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
 
     def plan(m, k, ring=None, warps=None):
@@ -307,7 +301,7 @@ def test_gemv_ring_rule(bits, group, monkeypatch):
         if bits == 4:  # blocks of 4 warps take half the registers and shared memory
             assert ring4["resident_blocks"] == 2 * ring8["resident_blocks"], (m, k, ring4, ring8)
         assert ring["resident_blocks"] >= 1 and registers["resident_blocks"] >= 1
-        want = ring_rule(bits, group, k, registers["row_blocks"], sms * registers["resident_blocks"])
+        want = ring_rule(bits)
         if want and tail_rule(ring["row_blocks"], ring["resident_blocks"], k, bits)[1] >= 2:
             want = 0  # the ring would leave tail rows to split
         assert auto["gemv_ring"] == want, (m, k, auto)

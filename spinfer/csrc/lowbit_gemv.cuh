@@ -26,8 +26,8 @@
 //    x or on a barrier before its loop, and K has no limit. Against x copied whole per block
 //    (H100, thirty-fourth session, docs/quant.md): 25 of 28 cells (four widths, seven layers, N = 1)
 //    1-7% faster, the 8192-row layers (512 blocks, 1.29 waves) 4-10% slower.
-//  * Or, where the planner asks (LowbitPlan::gemv_ring, lowbit_mm.cu's gemv_ring_slots: groups of
-//    64 at 1 and 2 bits, rows of 8192 columns or more that fill a wave), each warp streams through
+//  * Or, where the planner asks (LowbitPlan::gemv_ring, lowbit_mm.cu's gemv_ring_slots: 1, 2 and 4
+//    bits, where its resident blocks leave no tail rows to split), each warp streams through
 //    a ring of two shared-memory slots instead: a stage's 16 rows of weights (2 KB at 4 bits), their
 //    (scale, zero) words and its x slice come in one cp.async group, the lanes dividing the copies
 //    (a (scale, zero) word once a warp, not once for each of the 4 lanes that use it), and the
@@ -101,10 +101,6 @@ __host__ __device__ constexpr int gemv_slot_bytes() {
 }
 // The ring path's slots a warp (LowbitPlan::gemv_ring) and a block's dynamic shared memory.
 constexpr int kGemvRingSlots = 2;
-// The shortest rows on which the planner picks the ring without two groups a chunk
-// (lowbit_mm.cu, gemv_ring_slots): the layers of Llama-70B (8192 and 28672 columns), not those of
-// Llama-8B (4096 and 14336, the 14336-column ones under a wave).
-constexpr int kGemvRingMinK = 8192;
 template <int BITS, int NG, int R, int W = kGemvWarps>
 constexpr int gemv_smem_bytes() {
   return W * R * gemv_slot_bytes<BITS, NG>();

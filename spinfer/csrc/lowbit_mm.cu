@@ -69,7 +69,7 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring, in
 }
 
 // Rows short enough that a block of 8 warps gives each at most 2 stages (256 columns each below 8
-// bits): K <= 4096 on the padded K. There the GEMV runs on the ring with 4 warps a block
+// bits): K <= 4096 on the padded K. There the GEMV's ring has 4 warps a block
 // (kGemvShortWarps): each warp takes twice the stages, after one first-load latency, and twice
 // the blocks fit an SM (14336x4096: 896 blocks in one wave of 8 an SM, not 1.7 waves of 4).
 // Why (H100, one process, least of 3 shuffled rounds, N = 1, us, registers / ring of 8 warps /
@@ -83,39 +83,29 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring, in
 // w2 g64 3.21 -> 3.26x, w2 g128 3.46 -> 3.60x.
 bool gemv_short_rows(int kp) { return kp <= 2 * kGemvWarps * 256; }
 
-// The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots where
-// a 128-column chunk holds two groups (groups of 64 at 1 and 2 bits), and on rows of at least
-// kGemvRingMinK columns whose row blocks fill a wave of the register loader's slots (SMs x its
-// resident blocks), at 1, 2 and 4 bits; the registers (0) elsewhere and at 8 bits. The planner runs
-// the ring only where the tail rows are not split (the ring has no split variant).
+// The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots at 1, 2
+// and 4 bits, the registers (0) at 8 bits. The planner runs the ring only where its resident blocks
+// leave no tail rows to split (the ring has no split variant); there the registers and their split.
 // SPINFER_LOWBIT_RING=0 / 2 forces either, the ring without the split. `forced`: set where
 // SPINFER_LOWBIT_RING chose.
-// Why (H100, docs/quant.md, thirty-seventh and thirty-eighth sessions): alone, one layer at a time,
-// the ring is faster at 1 and 2 bits on every layer (seven layers, N = 1, geomean x cuBLAS
-// registers -> ring: 2-bit g64 3.30 -> 3.61, g128 3.65 -> 3.89) and ties or wins at 4 bits
-// (2.87 -> 2.93). But a decode step captured in a CUDA graph runs every kernel in it slower when
-// the graph holds a ring launch: each kernel's start ~0.16 us later after the one before and the
-// small elementwise kernels ~5% longer (torch.profiler, benchmarks/ab_e2e.py). The cause (thirty-ninth
-// session, scripts/graph_l2_probe.py, docs/kernels.md): the ring's cp.async stream passes through
-// L2's normal policy and evicts what the graph's launches read from L2; the register loader's
-// ld.global.nc stream does not. The ring's launch now marks its weights streaming in L2 (an
-// access-policy window, launch.cuh: StreamWindow), which removes the cost; measured again with
-// it (same process, batch 1, x dense, auto / ring everywhere / registers everywhere): Llama-8B-shaped
-// w4 2.60 / 2.58 / 2.52, w2 g128 3.21 / 3.19 / 3.09, w2 g64 2.95 / 2.96 / 2.78; Llama-70B-shaped w4
-// 3.20 / 3.20 / 3.16, w2 g128 4.68 / 4.71 / 4.29, so the rule stands. Before the window the ring paid
-// only where it saved more than that on its layers. End to end then, same process, batch 1, x dense, registers
-// / ring on every layer: Llama-8B-shaped (4 layers, K = 4096 and 14336) w4 2.54-2.60 / 2.47-2.52,
-// w2 g128 3.27 / 3.08, w2 g64 2.81 / 2.94; Llama-70B-shaped (2 layers, K = 8192 and 28672) w4
-// 3.15 / 3.19, w2 g128 4.31 / 4.61, w2 g64 3.84 / 4.15.
-// Short rows (gemv_short_rows) take the ring too, with 4 warps a block.
-int gemv_ring_slots(int bits, int k, int ng, int row_blocks, int register_slots, bool* forced) {
+// Why (H100, docs/quant.md, thirty-seventh to thirty-ninth and forty-sixth sessions): alone, the
+// ring is faster at 1, 2 and 4 bits on every layer measured. Until the forty-sixth session it ran
+// only on rows of at least 8192 columns whose row blocks fill a wave of the register loader's slots
+// (and with groups of 64 below 4 bits), because a CUDA graph holding a ring launch ran its other
+// kernels slower; the cause was the ring's cp.async stream evicting L2 under the normal policy, and
+// its launch now marks the weights streaming (an access-policy window, launch.cuh: StreamWindow).
+// With that window and the 4-warp blocks on short rows, the ring on every layer measured (one
+// process, least of 3 rounds, N = 1, nine layers of 2048-14336 rows and 5120-18944 columns that the
+// old rule kept on the registers, geomean x cuBLAS registers -> ring): 4-bit g128 2.84 -> 2.97,
+// g256 2.93 -> 3.05, 2-bit g128 3.71 -> 3.88, 1-bit g128 3.86 -> 3.98, no layer slower (13824x5120
+// 4-bit 20.4 -> 18.3 us); end to end, four Llama-8B layers, batch 1, x dense, the old rule (with
+// the short rows on the ring) against the ring everywhere: w4 2.752 -> 2.760, w2 g128 3.576 -> 3.655.
+// 8 bits measured faster on the registers (1.87 against 1.84x with the ring of 8, 1.77x with 4).
+int gemv_ring_slots(int bits, bool* forced) {
   const char* env = std::getenv("SPINFER_LOWBIT_RING");
   *forced = env != nullptr;
   if (env) return std::atoi(env) == kGemvRingSlots ? kGemvRingSlots : 0;
-  if (bits == 8) return 0;
-  if (bits <= 2 && ng == 2) return kGemvRingSlots;
-  if (gemv_short_rows(k)) return kGemvRingSlots;
-  return k >= kGemvRingMinK && row_blocks >= register_slots ? kGemvRingSlots : 0;
+  return bits == 8 ? 0 : kGemvRingSlots;
 }
 
 // The GEMV's warps a block on the ring: kGemvShortWarps on short rows, kGemvWarps elsewhere (and
@@ -342,7 +332,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     // tail rows to split; forced (SPINFER_LOWBIT_RING=2), it runs without the split.
     bool forced = false;
     p.gemv_warps = kGemvWarps;
-    if (const int ring = gemv_ring_slots(bits, kp, p.ng, p.row_blocks, sms * resident, &forced); ring > 0) {
+    if (const int ring = gemv_ring_slots(bits, &forced); ring > 0) {
       const int warps = gemv_warps(kp, ring);
       const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring, warps);
       if (forced || tail_for(sms * ring_resident).splits <= 1) {

@@ -171,10 +171,9 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     blocks of 16 rows, ``tile_rows`` 16, its tail rows split where a row block's weights are at least
     80 KiB (128 KiB at 8 bits); 1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64;
     ``SPINFER_LOWBIT_GEMV=1|0`` forces it), and the GEMV's loader (``gemv_ring``: 0, each lane's
-    words of a stage straight into registers; 2, each warp's ring of two shared-memory slots, with
-    groups of 64 at 1 and 2 bits and, at 1, 2 and 4 bits, on rows of at least 8192 columns whose
-    row blocks fill a wave of the register loader's slots, and on short rows (K <= 4096); never at
-    8 bits or with split tail rows; ``SPINFER_LOWBIT_RING=0|2`` forces it), and the GEMV's warps a
+    words of a stage straight into registers; 2, each warp's ring of two shared-memory slots, at 1, 2
+    and 4 bits wherever its resident blocks leave no tail rows to split; never at 8 bits or with
+    split tail rows; ``SPINFER_LOWBIT_RING=0|2`` forces it), and the GEMV's warps a
     block (``gemv_warps``: 4 on the ring on short rows, where each warp then takes twice the stages
     and twice the blocks fit an SM; 8 elsewhere; ``SPINFER_GEMV_WARPS=8|4`` forces either on the
     ring; 0 for the fused kernel).

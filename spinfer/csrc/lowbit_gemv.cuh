@@ -7,12 +7,12 @@
 //    all of K: W = 8, or 4 on the ring on short rows (K <= 4096, where 8 warps would take at most
 //    2 stages each; lowbit_mm.cu, gemv_warps). Warp w takes stages w, w + W, w + 2 W, ... of those
 //    rows; at the end the block sums the W warps' accumulators through shared memory in warp order
-//    (deterministic), adds bias and casts. A layer has ceil(M / 16) blocks, 4x the fused kernel's, and the block scheduler hands
-//    them out as SMs free up. Where the row blocks are long (16 rows x K of at least 80 KB, 128
-//    at 8 bits: lowbit_mm.cu) the rows past the last whole wave of resident blocks run split-K
-//    instead, as the fused kernel's tail rows do (schedule.cuh, tail_split): alone, one an SM,
-//    they streamed at a fraction of the bandwidth. The last split to arrive sums the partials in
-//    split order.
+//    (deterministic), adds bias and casts. A layer has ceil(M / 16) blocks, 4x the fused kernel's,
+//    and the block scheduler hands them out as SMs free up. Where the row blocks are long (16 rows
+//    x K of at least 80 KB, 128 at 8 bits: lowbit_mm.cu) the rows past the last whole wave of
+//    resident blocks run split-K instead, as the fused kernel's tail rows do (schedule.cuh,
+//    tail_split): alone, one an SM, they streamed at a fraction of the bandwidth. The last split to
+//    arrive sums the partials in split order.
 //  * No shared-memory ring and no barrier in the loop. Each lane loads its own A-fragment words
 //    of rows g and g + 8 (lowbit_mm.cuh's fragment order: 32 bytes a row per stage at 4 and 8
 //    bits, 16 at 2, 8 at 1) straight into registers with 16-, 8- or 4-byte

@@ -76,8 +76,8 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring, in
 // ring of 4; docs/quant.md, forty-sixth session): 4-bit g128 14336x4096 15.9 / 15.5 / 15.2,
 // 28672x4096 26.0 / 25.6 / 25.2, 6144x4096 9.4 / 9.3 / 9.0, 11008x2048 9.6 / 8.8 / 8.5; 2-bit g128
 // 14336x4096 13.1 / 12.3 / 11.5, 28672x4096 20.4 / 18.9 / 17.8; 4-bit g256 14336x4096 15.5 / 15.3 /
-// 14.4. The one loss: 4096x4096 (256 blocks, 8 warps an SM with 4 a block) at 1 and 2 bits, 0.1-0.2
-// us. On longer rows 4 warps lost (4096x14336 4-bit 15.4 / 15.1 / 16.0, 28672x8192 46.0 / 46.0 /
+// 14.4. The losses, 0.1-0.2 us, are on the smallest layers: 4096x4096 (256 blocks, 8 warps an SM
+// with 4 a block) at 1 and 2 bits and 4-bit g256, 4096x2048 at 1 bit. On longer rows 4 warps lost (4096x14336 4-bit 15.4 / 15.1 / 16.0, 28672x8192 46.0 / 46.0 /
 // 46.8), and deeper rings (3 or 4 slots) lost everywhere. End to end (benchmarks/ab_e2e.py, four
 // Llama-8B layers, batch 1, x dense, same process, against the previous rule): w4 2.71 -> 2.74x,
 // w2 g64 3.21 -> 3.26x, w2 g128 3.46 -> 3.60x.

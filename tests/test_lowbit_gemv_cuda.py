@@ -265,9 +265,10 @@ def ring_rule(bits):
     return 0 if bits == 8 else 2
 
 
-def short_rows(k):
-    """lowbit_mm.cu's gemv_short_rows: 8 warps would take at most 2 stages of 256 columns each."""
-    return (k + 255) // 256 * 256 <= 2 * 8 * 256
+def short_rows(k, bits):
+    """lowbit_mm.cu's gemv_short_rows: 8 warps would take at most 2 stages each (256 columns below 8
+    bits, 128 at 8)."""
+    return (k + 255) // 256 * 256 <= 2 * 8 * (128 if bits == 8 else 256)
 
 
 @pytest.mark.parametrize("bits,group", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128)])
@@ -294,7 +295,7 @@ def test_gemv_ring_rule(bits, group, monkeypatch):
                  (2048, 8192), (11008, 2048), (4096, 4000), (4096, 4200)):
         registers, ring, auto = plan(m, k, "0"), plan(m, k, "2"), plan(m, k)
         assert registers["gemv_ring"] == 0 and ring["gemv_ring"] == 2 and ring["tail_splits"] == 0, (m, k, ring)
-        assert registers["gemv_warps"] == 8 and ring["gemv_warps"] == (4 if short_rows(k) else 8), (m, k, ring)
+        assert registers["gemv_warps"] == 8 and ring["gemv_warps"] == (4 if short_rows(k, bits) else 8), (m, k, ring)
         assert plan(m, k, "0", "4")["gemv_warps"] == 8, (m, k)  # the registers have no 4-warp blocks
         ring8, ring4 = plan(m, k, "2", "8"), plan(m, k, "2", "4")
         assert (ring8["gemv_warps"], ring4["gemv_warps"]) == (8, 4), (m, k)

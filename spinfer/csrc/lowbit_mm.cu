@@ -69,7 +69,8 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring, in
 }
 
 // Rows short enough that a block of 8 warps gives each at most 2 stages (256 columns each below 8
-// bits): K <= 4096 on the padded K. There the GEMV's ring has 4 warps a block
+// bits, 128 at 8): K <= 4096 on the padded K below 8 bits (2048 at 8, where only a forced ring
+// runs the GEMV's ring). There the GEMV's ring has 4 warps a block
 // (kGemvShortWarps): each warp takes twice the stages, after one first-load latency, and twice
 // the blocks fit an SM (14336x4096: 896 blocks in one wave of 8 an SM, not 1.7 waves of 4).
 // Why (H100, one process, least of 3 shuffled rounds, N = 1, us, registers / ring of 8 warps /
@@ -81,7 +82,7 @@ int gemv_blocks_per_sm_for(int device, bool bf16, int bits, int ng, int ring, in
 // 46.8), and deeper rings (3 or 4 slots) lost everywhere. End to end (benchmarks/ab_e2e.py, four
 // Llama-8B layers, batch 1, x dense, same process, against the previous rule): w4 2.71 -> 2.74x,
 // w2 g64 3.21 -> 3.26x, w2 g128 3.46 -> 3.60x.
-bool gemv_short_rows(int kp) { return kp <= 2 * kGemvWarps * 256; }
+bool gemv_short_rows(int kp, int bits) { return kp <= 2 * kGemvWarps * (bits == 8 ? 1 : 2) * kChunk; }
 
 // The GEMV's loader (lowbit_gemv.cuh): a warp's ring of kGemvRingSlots shared-memory slots at 1, 2
 // and 4 bits, the registers (0) at 8 bits. The planner runs the ring only where its resident blocks
@@ -110,10 +111,10 @@ int gemv_ring_slots(int bits, bool* forced) {
 
 // The GEMV's warps a block on the ring: kGemvShortWarps on short rows, kGemvWarps elsewhere (and
 // always on the registers). SPINFER_GEMV_WARPS=4|8 forces either on the ring.
-int gemv_warps(int k, int ring) {
+int gemv_warps(int k, int bits, int ring) {
   if (ring == 0) return kGemvWarps;
   if (const char* env = std::getenv("SPINFER_GEMV_WARPS")) return std::atoi(env) == kGemvShortWarps ? kGemvShortWarps : kGemvWarps;
-  return gemv_short_rows(k) ? kGemvShortWarps : kGemvWarps;
+  return gemv_short_rows(k, bits) ? kGemvShortWarps : kGemvWarps;
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
@@ -333,7 +334,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     bool forced = false;
     p.gemv_warps = kGemvWarps;
     if (const int ring = gemv_ring_slots(bits, &forced); ring > 0) {
-      const int warps = gemv_warps(kp, ring);
+      const int warps = gemv_warps(kp, bits, ring);
       const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring, warps);
       if (forced || tail_for(sms * ring_resident).splits <= 1) {
         p.gemv_ring = ring, p.gemv_warps = warps, resident = ring_resident, t = TailSplit{0, 0, 0};

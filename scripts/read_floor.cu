@@ -21,8 +21,13 @@
 //              also with 16 warps a block (stages w, w + 16, ...).
 //   rows16 D   the same reads from a layout whose 16-row blocks are contiguous along K
 //              ([M/16, K/S, 16 rows, ...]): does the GEMV's 2 KB-in-8 KB stride cost DRAM time?
-// The GEMV variants read the weights only; `stream` is given the weights and also the weights plus
-// the (scale, zero) words (4 bytes a group), the bytes the GEMV moves.
+//   gemv D, sz [M,G] / sz tiled   the GEMV's pattern with its (scale, zero) words as well (4-bit
+//              g128 and 2-bit g64): rows g and g + 8 of each lane's quad, a stage's words of each,
+//              from the format-2 layout [M, G] (16 rows a stage, one 32-byte sector each) or from
+//              the 64-row tiles the format stores since the forty-seventh session (a stage's words of
+//              16 rows contiguous: lowbit_mm.h, sz_word).
+// The other GEMV variants read the weights only; `stream` is given the weights and also the weights
+// plus the (scale, zero) words (4 bytes a group), the bytes the GEMV moves.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -60,10 +65,20 @@ __global__ void __launch_bounds__(256) stream_read(const int4* w, size_t n, unsi
 }
 
 // C: 16-byte loads a lane per stage (a 16-row stage is C * 512 bytes: 4 at 4 bits).
-template <int C, int D, bool kRows16, int W = 8>
-__global__ void __launch_bounds__(W * 32) gemv_read(const int4* w, int stages, unsigned* out) {
+// SZ: 0 weights only; 1 also the (scale, zero) words as the GEMV reads them from [M, G] (rows g
+// and g + 8 of the lane's quad, NG words a stage each: 16 rows x NG x 4 bytes, row-strided); 2 the
+// same words from a [M/16, G, 16] layout (a stage's words of 16 rows contiguous).
+template <int C, int D, bool kRows16, int W = 8, int SZ = 0, int NG = 2>
+__global__ void __launch_bounds__(W * 32) gemv_read(const int4* w, int stages, unsigned* out,
+                                                    const unsigned* sz = nullptr) {
   const unsigned rb = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = stages * NG, g = lane / 4;
+  auto sz_at = [&](int s, int h, int j) {
+    const int grp = s * NG + j, r = g + 8 * h;
+    return SZ == 1 ? sz + size_t(rb * 16 + r) * groups + grp : sz + (size_t(rb) * groups + grp) * 16 + r;
+  };
+  unsigned zbuf[D][2][NG];
   auto at = [&](int s) {
     const size_t chunk = kRows16 ? size_t(rb) * stages + s : (size_t(rb / 4) * stages + s) * 4 + rb % 4;
     return w + chunk * (C * 32) + lane;
@@ -71,9 +86,15 @@ __global__ void __launch_bounds__(W * 32) gemv_read(const int4* w, int stages, u
   int4 buf[D][C];
 #pragma unroll
   for (int d = 0; d < D; ++d)
-    if (warp + W * d < stages)
+    if (warp + W * d < stages) {
 #pragma unroll
       for (int c = 0; c < C; ++c) buf[d][c] = load_nc(at(warp + W * d) + 32 * c);
+      if constexpr (SZ != 0)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < NG; ++j) zbuf[d][h][j] = __ldg(sz_at(warp + W * d, h, j));
+    }
   unsigned acc = 0;
   for (int base = warp; base < stages; base += W * D) {
 #pragma unroll
@@ -82,9 +103,20 @@ __global__ void __launch_bounds__(W * 32) gemv_read(const int4* w, int stages, u
       if (s >= stages) break;
 #pragma unroll
       for (int c = 0; c < C; ++c) acc ^= fold(buf[d][c]);
-      if (s + W * D < stages)
+      if constexpr (SZ != 0)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < NG; ++j) acc += zbuf[d][h][j];
+      if (s + W * D < stages) {
 #pragma unroll
         for (int c = 0; c < C; ++c) buf[d][c] = load_nc(at(s + W * D) + 32 * c);
+        if constexpr (SZ != 0)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < NG; ++j) zbuf[d][h][j] = __ldg(sz_at(s + W * D, h, j));
+      }
     }
   }
   __shared__ unsigned part[W][32];  // the GEMV's cross-warp sum and 32-byte store
@@ -172,8 +204,22 @@ int main(int argc, char** argv) {
     stream("stream U=4, +scales", wbytes + sbytes, stream_read<4>);
     stream("stream U=8, +scales", wbytes + sbytes, stream_read<8>);
     auto gemv = [&](const char* name, auto kernel, int warps = 8) {
-      row(name, wbytes, timed([&] { kernel<<<row_blocks, warps * 32>>>(w, stages, out); }));
+      row(name, wbytes, timed([&] { kernel<<<row_blocks, warps * 32>>>(w, stages, out, nullptr); }));
     };
+    // the (scale, zero) words lie after the weights, in either layout
+    const unsigned* szp = reinterpret_cast<const unsigned*>(reinterpret_cast<const char*>(w) + wbytes);
+    auto gemv_sz = [&](const char* name, auto kernel) {
+      row(name, wbytes + sbytes, timed([&] { kernel<<<row_blocks, 256>>>(w, stages, out, szp); }));
+    };
+    if (bits == 4 && group == 128) {
+      gemv_sz("gemv D=2, sz [M,G]", gemv_read<4, 2, false, 8, 1, 2>);
+      gemv_sz("gemv D=2, sz tiled", gemv_read<4, 2, false, 8, 2, 2>);
+      gemv_sz("gemv D=1, sz [M,G]", gemv_read<4, 1, false, 8, 1, 2>);
+      gemv_sz("gemv D=1, sz tiled", gemv_read<4, 1, false, 8, 2, 2>);
+    } else if (bits == 2 && group == 64) {
+      gemv_sz("gemv D=2, sz [M,G]", gemv_read<2, 2, false, 8, 1, 4>);
+      gemv_sz("gemv D=2, sz tiled", gemv_read<2, 2, false, 8, 2, 4>);
+    }
     if (bits == 4 && occupancy) {
       int smem_sm;
       CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
@@ -185,7 +231,7 @@ int main(int argc, char** argv) {
         CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&got, kernel, 256, dyn));
         char label[64];
         std::snprintf(label, sizeof label, "%s, %d blocks/SM", name, got);
-        row(label, wbytes, timed([&] { kernel<<<row_blocks, 256, dyn>>>(w, stages, out); }));
+        row(label, wbytes, timed([&] { kernel<<<row_blocks, 256, dyn>>>(w, stages, out, nullptr); }));
       };
       for (int per_sm : {2, 3, 4, 5, 6, 7}) {
         capped("gemv D=1", gemv_read<4, 1, false>, per_sm);

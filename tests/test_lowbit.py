@@ -7,7 +7,7 @@ import torch
 
 import spinfer
 from spinfer.quant import LowBitWeight, pack, unpack
-from spinfer.quant.lowbit import exact_integer_zeros, fragment_order, pack_bits, unpack_bits
+from spinfer.quant.lowbit import exact_integer_zeros, fragment_order, pack_bits, tile_scale_zero, unpack_bits
 from tests.conftest import rel_err
 
 BITS = [1, 2, 4, 8]
@@ -188,9 +188,10 @@ def test_state_dict_repr_storage_and_empty_batch():
         back = LowBitWeight.from_state_dict(q.state_dict())
         assert torch.equal(back.dequantize(), q.dequantize())
         st = q.storage_bytes()
-        arrays = [q.qweight, q.scales, q.zeros] + ([q.perm] if q.perm is not None else [])
+        arrays = [q.qweight, q.scale_zero] + ([q.perm] if q.perm is not None else [])
         assert st.total == sum(t.numel() * t.element_size() for t in arrays)
         assert st.qweight == 64 * 512 * q.bits // 8  # M padded to a 64-row tile, K=512 needs none
+        assert st.scales == st.zeros == 64 * (512 // q.group_size) * 2  # and so are the scales and zeros
         assert q.compression_ratio == pytest.approx(2 * 24 * 512 / st.total)
         assert "LowBitWeight(shape=(24, 512)" in repr(q)
         assert spinfer.lowbit_mm(torch.randn(0, 512).to(q.dtype), q).shape == (0, 24)
@@ -243,11 +244,11 @@ def test_integer_zeros_follow_in_place_edits_and_new_tensors():
     follows scale_zero's version counter (views share it) and the tensor's identity."""
     q = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 64)
     assert q.integer_zeros and q.cached_integer_zeros() is True
-    q.zeros[3, 1] += 0.5  # in place, through the [M, K/g] view
+    q.scale_zero[0, 1, 3, 1] += 0.5  # in place: row 3, group 1, through a view
     assert q.cached_integer_zeros() is None and not q.integer_zeros and q.cached_integer_zeros() is False
     q.scale_zero[..., 1].round_()
     assert q.cached_integer_zeros() is None and q.integer_zeros
-    q.scale_zero = torch.stack((q.scales, q.zeros + 0.25), -1)  # another tensor
+    q.scale_zero = tile_scale_zero(torch.stack((q.scales, q.zeros + 0.25), -1))  # another tensor
     assert q.cached_integer_zeros() is None and not q.integer_zeros
     sd = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 64).scale_zero
     q.scale_zero.copy_(sd)  # what load_state_dict does to a module's buffer
@@ -345,3 +346,25 @@ def test_lowbit_plan_refuses_bad_arguments():
         lowbit_plan(q, 1, dtype=torch.float32)
     with pytest.raises(ValueError, match="splits"):
         lowbit_plan(q, 1, splits=-2)
+
+
+def test_scale_zero_is_stored_in_64_row_tiles():
+    """The kernels address group j of row r at tile r // 64, word (j, r % 64) (sz_word in
+    lowbit_mm.h); padding rows hold zeros, and scales / zeros are [M, K/g] copies."""
+    m, k, g = 150, 512, 64
+    q = LowBitWeight.quantize(torch.randn(m, k).half(), 4, g)
+    sz = q.scale_zero
+    assert sz.shape == (3, k // g, 64, 2) and sz.is_contiguous()
+    scales, zeros = q.scales, q.zeros
+    assert scales.shape == zeros.shape == (m, k // g)
+    for r in (0, 63, 64, 149):
+        for j in (0, k // g - 1):
+            assert sz[r // 64, j, r % 64, 0] == scales[r, j] and sz[r // 64, j, r % 64, 1] == zeros[r, j]
+    assert not bool(sz[2, :, m - 128:].any())  # rows 150..191
+    flat = sz.flatten()  # the word the kernel reads: sz_word(r, G) + 64 j, in 2-element units
+    r, j = 100, 5
+    word = (r // 64) * (k // g) * 64 + r % 64 + 64 * j
+    assert flat[2 * word] == scales[r, j] and flat[2 * word + 1] == zeros[r, j]
+    scales[0, 0] = 7  # a copy: the weight is unchanged
+    assert q.scales[0, 0] != 7
+    assert torch.equal(LowBitWeight(q.qweight, scales, zeros, 4, g, (m, k)).scale_zero[0, 1:], sz[0, 1:])

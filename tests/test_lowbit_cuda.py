@@ -496,8 +496,8 @@ def test_integer_zeros_flag_skips_only_the_check(dtype):
     for bits in BITS:
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, 64)
         if bits == 8:  # zeros on both sides of 128 (bf16 splits them at bit 7), the range's ends
-            q.scale_zero[..., 1].copy_(torch.randint(0, 256, (m, k // 64), device="cuda"))
-            q.scale_zero[:4, :, 1] = torch.tensor([0.0, 127.0, 128.0, 255.0], device="cuda")[:, None]
+            q.scale_zero[..., 1].copy_(torch.randint(0, 256, q.scale_zero.shape[:-1], device="cuda"))
+            q.scale_zero[0, :, :4, 1] = torch.tensor([0.0, 127.0, 128.0, 255.0], device="cuda")  # rows 0-3
         assert q.integer_zeros, bits
         for n in (1, 16, 40):
             x = torch.randn(n, k, device="cuda").to(dtype)
@@ -541,10 +541,11 @@ def test_in_place_zero_edits_take_the_checked_path_again(bits):
     x = torch.randn(5, 512, device="cuda").half()
     q = LowBitWeight.quantize(torch.randn(200, 512, device="cuda").half(), bits, 64)
     assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is True
-    q.zeros.add_(torch.rand_like(q.zeros) * 0.9 + 0.05)  # fractional now
+    zeros = q.scale_zero[..., 1]  # a view of the stored tiles
+    zeros.add_(torch.rand_like(zeros) * 0.9 + 0.05)  # fractional now
     assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is False
     g = torch.cuda.CUDAGraph()
-    q.zeros.add_(0.5)  # a capture after an edit takes the checked path without syncing
+    zeros.add_(0.5)  # a capture after an edit takes the checked path without syncing
     with torch.cuda.graph(g):
         y = spinfer.lowbit_mm(x, q)
     g.replay()

@@ -118,7 +118,7 @@ def test_direct_op_calls_with_bad_arrays_raise():
         "             lambda: t(enc.bitmap, enc.values, enc.gtile_offset.long(), 64, 128, 64, 64),\n"
         "             lambda: l(q.qweight, q.scale_zero, 3, 128, 64, 256),\n"
         "             lambda: l(q.qweight[:, :, :32], q.scale_zero, 4, 128, 64, 256),\n"
-        "             lambda: l(q.qweight, q.scale_zero[:32], 4, 128, 64, 256),\n"
+        "             lambda: l(q.qweight, q.scale_zero[:, :, :32], 4, 128, 64, 256),\n"
         "             lambda: l(q.qweight, q.scale_zero, 4, 100, 64, 256)):\n"
         "    try:\n"
         "        call()\n"

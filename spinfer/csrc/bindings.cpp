@@ -236,9 +236,9 @@ LowbitGeometry check_lowbit_arrays(const at::Tensor& qweight, const at::Tensor& 
                     qweight.sizes());
   TORCH_CHECK_TYPE(scale_zero.scalar_type() == at::kHalf || scale_zero.scalar_type() == at::kBFloat16,
                    "scale_zero must be float16 or bfloat16, got ", scale_zero.scalar_type());
-  TORCH_CHECK_VALUE(scale_zero.dim() == 3 && scale_zero.size(0) == m && scale_zero.size(1) == g.groups &&
-                        scale_zero.size(2) == 2,
-                    "scale_zero must be [", m, ", ", g.groups, ", 2], got ", scale_zero.sizes());
+  TORCH_CHECK_VALUE(scale_zero.dim() == 4 && scale_zero.size(0) == (m + 63) / 64 && scale_zero.size(1) == g.groups &&
+                        scale_zero.size(2) == 64 && scale_zero.size(3) == 2,
+                    "scale_zero must be [", (m + 63) / 64, ", ", g.groups, ", 64, 2], got ", scale_zero.sizes());
   if (g.groups > 1) {  // group sizes 32..256 are powers of two
     TORCH_CHECK_VALUE((group_size & (group_size - 1)) == 0, "group_size must be a power of two, got ", group_size);
     g.group_shift = 0;

@@ -177,8 +177,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, kRing, W>)) l
   const uint32_t* szrow[2];  // rows past M read row M - 1's scales: finite, never stored
 #pragma unroll
   for (int h = 0; h < 2; ++h)
-    szrow[h] = static_cast<const uint32_t*>(args.scale_zero) +
-               static_cast<int64_t>(min(row0 + g + 8 * h, args.m - 1)) * args.groups;
+    szrow[h] = static_cast<const uint32_t*>(args.scale_zero) + sz_word(min(row0 + g + 8 * h, args.m - 1), args.groups);
 
   struct Stage {
     uint32_t w[2][U * BITS];  // rows g, g + 8: the lane's words of the stage, chunk-major
@@ -216,7 +215,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, kRing, W>)) l
         }
       }
 #pragma unroll
-      for (int j = 0; j < U * NG; ++j) s.sz[h][j] = ptx::ldg_b32(szrow[h] + group_of(st, j));
+      for (int j = 0; j < U * NG; ++j) s.sz[h][j] = ptx::ldg_b32(szrow[h] + kSzTileRows * group_of(st, j));
     }
   };
 
@@ -263,8 +262,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, kRing, W>)) l
 #pragma unroll
     for (int k = 0; k < kSzPerLane; ++k) {
       const int i = lane + 32 * k, r = i / kSzWords, j = i % kSzWords;
-      ln.szsrc[k] = ptx::keep(static_cast<const uint32_t*>(args.scale_zero) +
-                              static_cast<int64_t>(min(row0 + r, args.m - 1)) * args.groups);
+      ln.szsrc[k] = ptx::keep(static_cast<const uint32_t*>(args.scale_zero) + sz_word(min(row0 + r, args.m - 1), args.groups));
       ln.szcol[k] = static_cast<int>(ptx::keep(j * (kChunk / NG)));
     }
 #pragma unroll
@@ -285,7 +283,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, kRing, W>)) l
     for (int k = 0; k < kSzPerLane; ++k) {
       if (kSzCopies % 32 == 0 || lane + 32 * k < kSzCopies)
         ptx::cp_async_ca_4(ln.ring + slot * kSlotBytes + kStageBytes + 4 * (lane + 32 * k),
-                           ln.szsrc[k] + group_at(st, ln.szcol[k]));
+                           ln.szsrc[k] + kSzTileRows * group_at(st, ln.szcol[k]));
     }
   };
   constexpr int kSlotX = kStageBytes + 4 * kGemvRows * kSzWords;  // the x slice's offset in a slot

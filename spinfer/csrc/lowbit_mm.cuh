@@ -422,7 +422,7 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
     for (int i = 0; i < kSzCopies; ++i) {
       const int p = tid + i * kThreads, r = row_block * kTileRows + p / L::kPairs;
       sz_row[i] = p < kSzSlots && r < args.m
-                      ? reinterpret_cast<const uint32_t*>(args.scale_zero) + static_cast<int64_t>(r) * args.groups
+                      ? reinterpret_cast<const uint32_t*>(args.scale_zero) + sz_word(r, args.groups)
                       : nullptr;
     }
   };
@@ -495,7 +495,8 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
       const int col = col0 + sz_col[i];
       const bool ok = sz_row[i] != nullptr && col < args.kp;
       const int grp = min(col >> args.group_shift, args.groups - 1);
-      ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + grp : args.scale_zero, ok);
+      ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + kSzTileRows * grp : args.scale_zero,
+                         ok);
     }
     if constexpr (CROSS) {
       w_next += kBlockRows * kRowBytes, col_next += L::kCols;

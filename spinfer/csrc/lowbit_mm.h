@@ -13,7 +13,7 @@ namespace spinfer {
 struct LowbitArgs {
   const void* x;           // [n, kp] fp16/bf16 row-major, 16-byte aligned, zero past K; kp % 256 == 0
   const uint32_t* qweight; // [ceil(m/64), kp/stage, 64, stage*bits/32] tiles (spinfer/quant/lowbit.py)
-  const void* scale_zero;  // [m, groups, 2] (scale, zero) pairs in x's dtype, 4-byte aligned
+  const void* scale_zero;  // [ceil(m/64), groups, 64, 2] (scale, zero) pairs in x's dtype (sz_word)
   const void* bias;        // [m] or nullptr
   void* y;                 // [n, m]
   float* workspace;        // split-K partial tiles (plan.workspace_floats), or nullptr
@@ -30,6 +30,17 @@ struct LowbitArgs {
   // loop's registers): rows from tail_first on are split tail_splits ways, tail_iters stages each.
   int tail_first, tail_splits, tail_iters;
 };
+
+// The (scale, zero) pairs are stored in tiles of 64 rows, one 4-byte word a row and group:
+// [ceil(m/64), groups, 64] words, so group j of row r is word sz_word(r, groups) + 64 j. A stage's
+// words of a 64-row block (the fused kernel) or a 16-row one (the GEMV) are then a few contiguous
+// 32-byte sectors, not one sector a row: a read of a layer's bytes with the GEMV's pattern took
+// 1-3% less time at 4-bit g128 and 4-8% less at 2-bit g64 (H100, docs/quant.md, forty-seventh
+// session). Padding rows (up to 64) hold zeros.
+constexpr int kSzTileRows = 64;
+__host__ __device__ inline int64_t sz_word(int row, int groups) {
+  return static_cast<int64_t>(row / kSzTileRows) * groups * kSzTileRows + row % kSzTileRows;
+}
 
 // A block of row block r (one-block-per-row and split-K grids) takes its stages starting at stage
 // (r * kLowbitRotate) % stages of its range and wraps around, instead of every block starting at

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "dtype.cuh"
+#include "lowbit_mm.h"  // sz_word
 #include "to_dense.h"
 
 namespace spinfer {
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
     const int64_t base = ((static_cast<int64_t>(row >> 6) * stages + c0 / S) * 64 + (row & 63)) * kRowWords + in_row;
     const uint32_t words[2] = {a.qweight[base], a.qweight[base + BITS]};
     const uint32_t sz =  // {scale, zero}
-        reinterpret_cast<const uint32_t*>(a.scale_zero)[static_cast<int64_t>(row) * a.groups + (c0 >> a.group_shift)];
+        reinterpret_cast<const uint32_t*>(a.scale_zero)[sz_word(row, a.groups) + kSzTileRows * (c0 >> a.group_shift)];
     const float scale = D::to_float(static_cast<uint16_t>(sz & 0xffffu));
     const float zero = D::to_float(static_cast<uint16_t>(sz >> 16));
     uint32_t packed[4] = {0, 0, 0, 0};

@@ -25,7 +25,7 @@ cudaError_t tca_bme_to_dense(const TcaBmeToDenseArgs& args, cudaStream_t stream)
 
 struct LowbitToDenseArgs {
   const uint32_t* qweight;  // [ceil(m/64), kp/stage, 64, stage*bits/32] (spinfer/quant/lowbit.py)
-  const void* scale_zero;   // [m, groups, 2] in the output dtype
+  const void* scale_zero;   // [ceil(m/64), groups, 64, 2] in the output dtype (lowbit_mm.h, sz_word)
   void* out;                // [m, k] row-major
   int m, k, kp, bits;
   int group_shift;          // log2(group size); 30 for one group per row (per-channel)

@@ -12,10 +12,12 @@ Layout (chosen for the kernels; docs/quant.md):
   warp reads its share of the chunk (``bits`` consecutive words) and finds value ``s`` and
   value ``s + 16/bits`` of a word 16 bits apart, ready for a one-instruction conversion to a
   half2. Inside a word, stream value ``j`` occupies bits ``[bits*j, bits*(j+1))``.
-* ``scale_zero``: ``[M, K / group_size, 2]`` in the weight dtype (fp16/bf16), each group's scale
-  and zero side by side so the kernel fetches both with one aligned 4-byte copy;
-  ``LowBitWeight.scales`` and ``.zeros`` are views of it. Zeros are floats so HQQ-style
-  fractional zeros import exactly; the RTN quantizer stores integers.
+* ``scale_zero``: ``[Mp/64, K / group_size, 64, 2]`` in the weight dtype (fp16/bf16): each
+  group's scale and zero side by side (one aligned 4-byte copy for the kernel), in tiles of 64
+  rows, so that a group's pairs of one 64-row block are 256 contiguous bytes (a kernel stage's
+  pairs then fill a few 32-byte sectors instead of one a row). Padding rows hold zeros.
+  ``LowBitWeight.scales`` and ``.zeros`` are ``[M, K/g]`` copies (:func:`untile_scale_zero`).
+  Zeros are floats so HQQ-style fractional zeros import exactly; the RTN quantizer stores integers.
 * ``perm`` (optional): int64 ``[K]``. GPTQ act-order checkpoints have groups scattered over K;
   importing permutes K once so groups are contiguous, and the op gathers ``x[..., perm]``.
 
@@ -39,7 +41,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 K_ALIGN = 256  # K padding: whole kernel stages (256 columns; two 128-column stages at 8 bits)
 CHUNK = 128  # columns per fragment-order chunk
 ROW_BLOCK = 64  # output rows per kernel block and per qweight tile
-FORMAT_VERSION = 2  # 2: fragment order inside each 128-column chunk; scale_zero interleaved
+FORMAT_VERSION = 3  # 2: fragment order inside each 128-column chunk; scale_zero interleaved; 3: in 64-row tiles
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,23 @@ def stage_cols(bits: int) -> int:
     return 128 if bits == 8 else 256
 
 
+def tile_scale_zero(scale_zero: torch.Tensor) -> torch.Tensor:
+    """``[M, G, 2]`` (scale, zero) pairs -> the stored ``[Mp/64, G, 64, 2]`` tiles (rows padded
+    with zeros to a multiple of 64)."""
+    m, groups, _ = scale_zero.shape
+    mb = -(-m // ROW_BLOCK)
+    padded = torch.nn.functional.pad(scale_zero, (0, 0, 0, 0, 0, mb * ROW_BLOCK - m))
+    return padded.reshape(mb, ROW_BLOCK, groups, 2).transpose(1, 2).contiguous()
+
+
+def untile_scale_zero(scale_zero: torch.Tensor, m: int) -> torch.Tensor:
+    """The stored ``[Mp/64, G, 64, 2]`` tiles -> ``[M, G, 2]`` (a copy)."""
+    mb, groups, rows, _ = scale_zero.shape
+    return scale_zero.transpose(1, 2).reshape(mb * rows, groups, 2)[:m]
+
+
 def exact_integer_zeros(scale_zero: torch.Tensor, bits: int) -> bool:
-    """Whether every zero of ``scale_zero`` ``[M, K/g, 2]`` is an integer ``z`` that the fused
+    """Whether every zero of ``scale_zero`` (stored tiles, or ``[M, K/g, 2]``) is an integer ``z`` that the fused
     kernel subtracts inside the tensor-core fragments (``kZeroLo`` / ``kZeroHi`` in
     spinfer/csrc/lowbit_mm.cuh): ``magic + z`` must be exact in the weight dtype (magic 1024 in
     fp16, 128 in bf16), so ``z`` in [-1024, 1023] (fp16) or [-128, 127] (bf16); at 8 bits in bf16
@@ -175,7 +192,8 @@ def dequantize(qweight, scale_zero, bits: int, group_size: int, shape, perm=None
     """The reference dequantization: ``(q - zero) * scale`` in float32, rounded once to the
     scales' dtype; columns returned to the original K order when ``perm`` is given."""
     m, k = shape
-    scales, zeros = scale_zero[..., 0], scale_zero[..., 1]
+    sz = untile_scale_zero(scale_zero, m)
+    scales, zeros = sz[..., 0], sz[..., 1]
     q = unpack(qweight, bits, m)[:, :k].float().reshape(m, k // group_size, group_size)
     w = ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(m, k).to(scales.dtype)
     if perm is not None:
@@ -201,9 +219,9 @@ class LowBitWeight:
         validate: bool = True,
         scale_zero: Optional[torch.Tensor] = None,
     ):
-        """``scales`` and ``zeros`` ``[M, K/g]`` are stored interleaved; or pass them already
-        interleaved as ``scale_zero`` ``[M, K/g, 2]`` (with ``scales=zeros=None``), as the op and
-        modules do, to skip the copy."""
+        """``scales`` and ``zeros`` ``[M, K/g]`` are stored interleaved in 64-row tiles; or pass
+        them already stored so as ``scale_zero`` ``[Mp/64, K/g, 64, 2]`` (with
+        ``scales=zeros=None``), as the op and modules do, to skip the copy."""
         try:
             m, k = (int(v) for v in shape)
         except (TypeError, ValueError):
@@ -222,7 +240,9 @@ class LowBitWeight:
             if scales.shape != zeros.shape or scales.device != zeros.device:
                 raise ValueError(f"scales are {tuple(scales.shape)} on {scales.device} but zeros are "
                                  f"{tuple(zeros.shape)} on {zeros.device}")
-            scale_zero = torch.stack((scales, zeros), dim=-1)
+            if scales.dim() != 2:
+                raise ValueError(f"scales and zeros must be [M, K/g], got {tuple(scales.shape)}")
+            scale_zero = tile_scale_zero(torch.stack((scales, zeros), dim=-1))
         elif scales is not None or zeros is not None:
             raise ValueError("pass scales and zeros, or scale_zero, not both")
         self.qweight, self.scale_zero, self.perm = qweight, scale_zero, perm
@@ -363,8 +383,9 @@ class LowBitWeight:
         sz = self.scale_zero
         if not isinstance(sz, torch.Tensor) or sz.dtype not in SUPPORTED_DTYPES:
             raise TypeError("scales and zeros must be float16 or bfloat16 tensors")
-        if sz.shape != (m, groups, 2):
-            raise ValueError(f"scales and zeros must be [{m}, {groups}] (scale_zero [{m}, {groups}, 2]), "
+        mb = -(-m // ROW_BLOCK)
+        if sz.shape != (mb, groups, ROW_BLOCK, 2):
+            raise ValueError(f"scales and zeros must be [{m}, {groups}] (scale_zero [{mb}, {groups}, {ROW_BLOCK}, 2]), "
                              f"got scale_zero {tuple(sz.shape)}")
         if self.perm is not None:
             if self.perm.shape != (k,) or self.perm.dtype != torch.int64:
@@ -382,13 +403,14 @@ class LowBitWeight:
 
     @property
     def scales(self) -> torch.Tensor:
-        """``[M, K/g]`` view of the scales."""
-        return self.scale_zero[..., 0]
+        """``[M, K/g]`` scales: a copy (the stored pairs are in 64-row tiles; edit ``scale_zero``,
+        whose ``[..., 0]`` they are, or build a new weight)."""
+        return untile_scale_zero(self.scale_zero, self.shape[0])[..., 0].clone()
 
     @property
     def zeros(self) -> torch.Tensor:
-        """``[M, K/g]`` view of the zero points."""
-        return self.scale_zero[..., 1]
+        """``[M, K/g]`` zero points: a copy, as :attr:`scales`."""
+        return untile_scale_zero(self.scale_zero, self.shape[0])[..., 1].clone()
 
     @property
     def device(self) -> torch.device:

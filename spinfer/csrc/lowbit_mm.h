@@ -35,8 +35,8 @@ struct LowbitArgs {
 // [ceil(m/64), groups, 64] words, so group j of row r is word sz_word(r, groups) + 64 j. A stage's
 // words of a 64-row block (the fused kernel) or a 16-row one (the GEMV) are then a few contiguous
 // 32-byte sectors, not one sector a row: a read of a layer's bytes with the GEMV's pattern took
-// 1-3% less time at 4-bit g128 and 4-8% less at 2-bit g64 (H100, docs/quant.md, forty-seventh
-// session). Padding rows (up to 64) hold zeros.
+// 0.7-3.4% less time at 4-bit g128 and 4-8% less at 2-bit g64, and the kernels at 4-bit g128 ran
+// 2-4% faster at N = 1-16 (H100, docs/quant.md, forty-seventh session). Padding rows hold zeros.
 constexpr int kSzTileRows = 64;
 __host__ __device__ inline int64_t sz_word(int row, int groups) {
   return static_cast<int64_t>(row / kSzTileRows) * groups * kSzTileRows + row % kSzTileRows;

@@ -24,8 +24,8 @@
 //   gemv D, sz [M,G] / sz tiled   the GEMV's pattern with its (scale, zero) words as well (4-bit
 //              g128 and 2-bit g64): rows g and g + 8 of each lane's quad, a stage's words of each,
 //              from the format-2 layout [M, G] (16 rows a stage, one 32-byte sector each) or from
-//              the 64-row tiles the format stores since the forty-seventh session (a stage's words of
-//              16 rows contiguous: lowbit_mm.h, sz_word).
+//              a [M/16, G, 16] layout, whose 16 rows of a stage are 64 contiguous bytes, as in the
+//              64-row tiles the format stores since the forty-seventh session (lowbit_mm.h, sz_word).
 // The other GEMV variants read the weights only; `stream` is given the weights and also the weights
 // plus the (scale, zero) words (4 bytes a group), the bytes the GEMV moves.
 #include <algorithm>

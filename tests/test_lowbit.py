@@ -368,3 +368,16 @@ def test_scale_zero_is_stored_in_64_row_tiles():
     scales[0, 0] = 7  # a copy: the weight is unchanged
     assert q.scales[0, 0] != 7
     assert torch.equal(LowBitWeight(q.qweight, scales, zeros, 4, g, (m, k)).scale_zero[0, 1:], sz[0, 1:])
+
+
+def test_scales_and_zeros_are_copies_even_with_one_group():
+    """Per-channel weights (one group a row) are where a reshape of the tiles would have been a
+    view: the properties must still not alias the stored pairs."""
+    q = LowBitWeight.quantize(torch.randn(100, 256).half(), 4, None)
+    assert q.scale_zero.shape == (2, 1, 64, 2)
+    scales, zeros = q.scales, q.zeros
+    assert scales.shape == zeros.shape == (100, 1)
+    assert scales.untyped_storage().data_ptr() != q.scale_zero.untyped_storage().data_ptr()
+    before = q.scale_zero.clone()
+    scales.fill_(3), zeros.fill_(5)
+    assert torch.equal(q.scale_zero, before)

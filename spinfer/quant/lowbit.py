@@ -134,9 +134,12 @@ def tile_scale_zero(scale_zero: torch.Tensor) -> torch.Tensor:
 
 
 def untile_scale_zero(scale_zero: torch.Tensor, m: int) -> torch.Tensor:
-    """The stored ``[Mp/64, G, 64, 2]`` tiles -> ``[M, G, 2]`` (a copy)."""
-    mb, groups, rows, _ = scale_zero.shape
-    return scale_zero.transpose(1, 2).reshape(mb * rows, groups, 2)[:m]
+    """The stored ``[Mp/64, G, 64, 2]`` tiles -> ``[M, G, 2]``: always a copy, made once (a
+    reshape of the transposed tiles would be a view where G = 1 and a copy elsewhere)."""
+    mb, groups, rows, two = scale_zero.shape
+    out = scale_zero.new_empty(mb, rows, groups, two)
+    out.copy_(scale_zero.transpose(1, 2))
+    return out.flatten(0, 1)[:m]
 
 
 def exact_integer_zeros(scale_zero: torch.Tensor, bits: int) -> bool:
@@ -405,12 +408,12 @@ class LowBitWeight:
     def scales(self) -> torch.Tensor:
         """``[M, K/g]`` scales: a copy (the stored pairs are in 64-row tiles; edit ``scale_zero``,
         whose ``[..., 0]`` they are, or build a new weight)."""
-        return untile_scale_zero(self.scale_zero, self.shape[0])[..., 0].clone()
+        return untile_scale_zero(self.scale_zero, self.shape[0])[..., 0]
 
     @property
     def zeros(self) -> torch.Tensor:
         """``[M, K/g]`` zero points: a copy, as :attr:`scales`."""
-        return untile_scale_zero(self.scale_zero, self.shape[0])[..., 1].clone()
+        return untile_scale_zero(self.scale_zero, self.shape[0])[..., 1]
 
     @property
     def device(self) -> torch.device:

@@ -313,6 +313,36 @@ def test_gemv_ring_rule(bits, group, monkeypatch):
             assert ring["resident_blocks"] >= registers["resident_blocks"], (ring, registers)
 
 
+def test_gemv_ring_resident_blocks_at_2_bit_g64(monkeypatch):
+    """lowbit_gemv.cuh's kGemvMinBlocksFor: the ring at 2-bit g64 is capped to 72 registers with 4
+    warps a block and 64 with 8, so an SM with 64K registers and room for the blocks' shared memory
+    (sm_80, sm_90) holds 7 and 4 of them, where the compiler's 79 registers allowed 6 and 3. Then
+    8192x28672's 512 row blocks fit one wave of an H100's 528 slots: the planner takes the ring, with
+    no tail rows to split, over the registers. Plans only."""
+    spinfer.build.load_extension()
+    x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
+    for key in ("SPINFER_LOWBIT_RING", "SPINFER_GEMV_WARPS", "SPINFER_LOWBIT_TAIL", "SPINFER_LOWBIT_GEMV"):
+        monkeypatch.delenv(key, raising=False)
+
+    def plan(m, k, warps=None):
+        if warps:
+            monkeypatch.setenv("SPINFER_LOWBIT_RING", "2")
+            monkeypatch.setenv("SPINFER_GEMV_WARPS", warps)
+        else:
+            monkeypatch.delenv("SPINFER_LOWBIT_RING", raising=False)
+            monkeypatch.delenv("SPINFER_GEMV_WARPS", raising=False)
+        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, 2, 64, 0)))
+
+    ring4, ring8 = plan(14336, 4096, "4"), plan(8192, 28672, "8")
+    assert (ring4["gemv_warps"], ring8["gemv_warps"]) == (4, 8)
+    if torch.cuda.get_device_capability() in ((8, 0), (9, 0)):
+        assert (ring4["resident_blocks"], ring8["resident_blocks"]) == (7, 4), (ring4, ring8)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    auto = plan(8192, 28672)
+    if sms * ring8["resident_blocks"] >= 512:
+        assert auto["gemv_ring"] == 2 and auto["tail_splits"] == 0 and auto["grid_blocks"] == 512, auto
+
+
 def test_gemv_is_deterministic_and_captures_in_a_cuda_graph(monkeypatch):
     """Two layers back to back (the second launch waits on the first through programmatic
     dependent launch on sm_90), replayed with new inputs: the same bits as eager runs."""

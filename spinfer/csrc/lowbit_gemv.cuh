@@ -67,8 +67,19 @@ constexpr int kGemvMinBlocks = 3;
 // The ring path at 4 bits: 4 resident blocks (at most 64 registers). It took 52 before its lane
 // addresses were kept in registers (RingLane, below), 66 after without this cap.
 // With W warps a block instead of 8, 8 / W times as many blocks under the same register cap.
-template <int BITS, int kRing, int W = kGemvWarps>
-constexpr int kGemvMinBlocksFor = (kRing > 0 && BITS == 4 ? 4 : kGemvMinBlocks) * kGemvWarps / W;
+// The ring at 2 bits with groups of 64 took 79 registers under the default cap (3 blocks of 8
+// warps, 6 of 4), the most of any ring; capped, it runs in 64 with 8 warps (4 blocks) and 72 with
+// 4 (7 blocks), spilling nothing. Whole layers then fit one wave of resident blocks: 8192x28672's
+// 512 row blocks (528 slots on an H100 instead of 396, so the ring no longer leaves tail rows to
+// split and the planner takes it over the registers) and 14336x4096's 896 (924 instead of 792).
+// H100, N = 1, least of 3 rounds, two rounds of separate processes, us (docs/quant.md,
+// forty-eighth session): 8192x28672 36.1 / 35.9 -> 30.3 / 30.4, 14336x4096 12.9 / 13.0 -> 11.5 /
+// 11.7, 28672x4096 19.8 / 19.7 -> 18.8 / 18.9, 28672x8192 34.0 / 33.8 -> 32.5 / 33.5; 4096x14336
+// (256 blocks, under a wave either way) 11.4 / 11.5 -> 11.6 / 11.6. With 4 warps, 8 blocks (64
+// registers) were no faster than 7 (28672x4096 19.0-19.1 against 18.5-18.6).
+template <int BITS, int NG, int kRing, int W = kGemvWarps>
+constexpr int kGemvMinBlocksFor = kRing > 0 && BITS == 2 && NG == 2 ? (W == kGemvShortWarps ? 7 : 4)
+                                  : (kRing > 0 && BITS == 4 ? 4 : kGemvMinBlocks) * kGemvWarps / W;
 // The (width, scale groups per 128-column chunk) pairs the GEMV is built for: those whose stage,
 // the lane's words of rows g and g + 8 and their (scale, zero) pairs, takes at most 20 registers,
 // as 4-bit g128 does (16 words + 4 pairs; with 2 groups a chunk its stage in flight spilled 16
@@ -139,7 +150,7 @@ struct Fixed {
 // ring of R stage slots (weights, scales and x of a stage, one cp.async group), R - 1 in flight.
 // W: warps a block (kGemvWarps, or kGemvShortWarps on the ring).
 template <bool kBF16, int BITS, int NG, bool kTail, int kRing, int W = kGemvWarps>
-__global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, kRing, W>)) lowbit_gemv_kernel(const LowbitArgs args) {
+__global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>)) lowbit_gemv_kernel(const LowbitArgs args) {
   static_assert(gemv_supported(BITS, NG), "a stage in at most 20 registers");
   static_assert(kRing == 0 || kRing >= 2, "a ring of at least two slots");
   constexpr int U = chunks_per_stage<BITS>();

@@ -313,12 +313,14 @@ def test_gemv_ring_rule(bits, group, monkeypatch):
             assert ring["resident_blocks"] >= registers["resident_blocks"], (ring, registers)
 
 
-def test_gemv_ring_resident_blocks_at_2_bit_g64(monkeypatch):
-    """lowbit_gemv.cuh's kGemvMinBlocksFor: the ring at 2-bit g64 is capped to 72 registers with 4
-    warps a block and 64 with 8, so an SM with 64K registers and room for the blocks' shared memory
-    (sm_80, sm_90) holds 7 and 4 of them, where the compiler's 79 registers allowed 6 and 3. Then
-    8192x28672's 512 row blocks fit one wave of an H100's 528 slots: the planner takes the ring, with
-    no tail rows to split, over the registers. Plans only."""
+@pytest.mark.parametrize("bits", [1, 2])
+def test_gemv_ring_resident_blocks_with_groups_of_64(bits, monkeypatch):
+    """lowbit_gemv.cuh's kGemvMinBlocksFor: the ring at 1 and 2 bits with groups of 64 is capped to
+    72 registers with 4 warps a block and 64 with 8, so an SM with 64K registers and room for the
+    blocks' shared memory (sm_80, sm_90) holds 7 and 4 of them (2-bit g64 took 79 registers without
+    the caps: 6 and 3). Then 8192x28672's 512 row blocks fit one wave of an H100's 528 slots: the
+    planner takes the ring, with no tail rows to split (2 bits split them on the registers before).
+    Plans only."""
     spinfer.build.load_extension()
     x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
     for key in ("SPINFER_LOWBIT_RING", "SPINFER_GEMV_WARPS", "SPINFER_LOWBIT_TAIL", "SPINFER_LOWBIT_GEMV"):
@@ -331,7 +333,7 @@ def test_gemv_ring_resident_blocks_at_2_bit_g64(monkeypatch):
         else:
             monkeypatch.delenv("SPINFER_LOWBIT_RING", raising=False)
             monkeypatch.delenv("SPINFER_GEMV_WARPS", raising=False)
-        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, 2, 64, 0)))
+        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, 64, 0)))
 
     ring4, ring8 = plan(14336, 4096, "4"), plan(8192, 28672, "8")
     assert (ring4["gemv_warps"], ring8["gemv_warps"]) == (4, 8)

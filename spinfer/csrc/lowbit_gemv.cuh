@@ -69,16 +69,19 @@ constexpr int kGemvMinBlocks = 3;
 // With W warps a block instead of 8, 8 / W times as many blocks under the same register cap.
 // The ring at 2 bits with groups of 64 took 79 registers under the default cap (3 blocks of 8
 // warps, 6 of 4), the most of any ring; capped, it runs in 64 with 8 warps (4 blocks) and 72 with
-// 4 (7 blocks), spilling nothing. Whole layers then fit one wave of resident blocks: 8192x28672's
+// 4 (7 blocks), spilling nothing. (1 bit with groups of 64 takes the same caps: 72 -> 64 registers
+// with 8 warps, 72 with 4 as before.) Whole layers then fit one wave of resident blocks: 8192x28672's
 // 512 row blocks (528 slots on an H100 instead of 396, so the ring no longer leaves tail rows to
 // split and the planner takes it over the registers) and 14336x4096's 896 (924 instead of 792).
 // H100, N = 1, least of 3 rounds, two rounds of separate processes, us (docs/quant.md,
 // forty-eighth session): 8192x28672 36.1 / 35.9 -> 30.3 / 30.4, 14336x4096 12.9 / 13.0 -> 11.5 /
 // 11.7, 28672x4096 19.8 / 19.7 -> 18.8 / 18.9, 28672x8192 34.0 / 33.8 -> 32.5 / 33.5; 4096x14336
 // (256 blocks, under a wave either way) 11.4 / 11.5 -> 11.6 / 11.6. With 4 warps, 8 blocks (64
-// registers) were no faster than 7 (28672x4096 19.0-19.1 against 18.5-18.6).
+// registers) were no faster than 7 (28672x4096 19.0-19.1 against 18.5-18.6). 1-bit g64 under the
+// same caps, same method: 8192x28672 33.4 / 33.1 -> 32.3 / 32.3, 28672x8192 33.7 / 34.1 -> 33.1 /
+// 33.2, the 4096-wide layers within 0.2 us.
 template <int BITS, int NG, int kRing, int W = kGemvWarps>
-constexpr int kGemvMinBlocksFor = kRing > 0 && BITS == 2 && NG == 2 ? (W == kGemvShortWarps ? 7 : 4)
+constexpr int kGemvMinBlocksFor = kRing > 0 && BITS <= 2 && NG == 2 ? (W == kGemvShortWarps ? 7 : 4)
                                   : (kRing > 0 && BITS == 4 ? 4 : kGemvMinBlocks) * kGemvWarps / W;
 // The (width, scale groups per 128-column chunk) pairs the GEMV is built for: those whose stage,
 // the lane's words of rows g and g + 8 and their (scale, zero) pairs, takes at most 20 registers,

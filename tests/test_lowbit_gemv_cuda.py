@@ -258,6 +258,18 @@ def test_gemv_tail_rule_on_large_layers(bits):
             assert (plan["tail_splits"] >= 2) == (bits > 1) and plan["gemv_ring"] == 0, plan
 
 
+def ring_plan(monkeypatch, m, k, bits, group, ring=None, warps=None):
+    """The planner's one-token plan for an m x k layer, with SPINFER_LOWBIT_RING / SPINFER_GEMV_WARPS
+    forced where given and cleared where None. Plans only: no weights are built."""
+    for key, value in (("SPINFER_LOWBIT_RING", ring), ("SPINFER_GEMV_WARPS", warps)):
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
+    return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, group, 0)))
+
+
 def ring_rule(bits):
     """lowbit_mm.cu's gemv_ring_slots: the shared-memory ring (2 slots a warp) at 1, 2 and 4 bits,
     the registers at 8 bits (the planner then keeps the registers where the ring would leave tail
@@ -281,15 +293,9 @@ def test_gemv_ring_rule(bits, group, monkeypatch):
     (gemv_warps), twice as many of them resident at 4 bits; SPINFER_GEMV_WARPS=8 / 4 forces either
     on the ring and leaves the registers at 8. Plans only."""
     spinfer.build.load_extension()
-    x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
 
     def plan(m, k, ring=None, warps=None):
-        for key, value in (("SPINFER_LOWBIT_RING", ring), ("SPINFER_GEMV_WARPS", warps)):
-            if value is None:
-                monkeypatch.delenv(key, raising=False)
-            else:
-                monkeypatch.setenv(key, value)
-        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, group, 0)))
+        return ring_plan(monkeypatch, m, k, bits, group, ring, warps)
 
     for m, k in ((28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096), (8192, 8192),
                  (2048, 8192), (11008, 2048), (4096, 4000), (4096, 4200)):
@@ -322,25 +328,15 @@ def test_gemv_ring_resident_blocks_with_groups_of_64(bits, monkeypatch):
     planner takes the ring, with no tail rows to split (2 bits split them on the registers before).
     Plans only."""
     spinfer.build.load_extension()
-    x = torch.empty((1, 1), dtype=torch.float16, device="cuda")
-    for key in ("SPINFER_LOWBIT_RING", "SPINFER_GEMV_WARPS", "SPINFER_LOWBIT_TAIL", "SPINFER_LOWBIT_GEMV"):
+    for key in ("SPINFER_LOWBIT_TAIL", "SPINFER_LOWBIT_GEMV"):
         monkeypatch.delenv(key, raising=False)
-
-    def plan(m, k, warps=None):
-        if warps:
-            monkeypatch.setenv("SPINFER_LOWBIT_RING", "2")
-            monkeypatch.setenv("SPINFER_GEMV_WARPS", warps)
-        else:
-            monkeypatch.delenv("SPINFER_LOWBIT_RING", raising=False)
-            monkeypatch.delenv("SPINFER_GEMV_WARPS", raising=False)
-        return dict(zip(PLAN_FIELDS, torch.ops.spinfer.lowbit_plan(x.expand(1, k), m, k, bits, 64, 0)))
-
-    ring4, ring8 = plan(14336, 4096, "4"), plan(8192, 28672, "8")
+    ring4 = ring_plan(monkeypatch, 14336, 4096, bits, 64, "2", "4")
+    ring8 = ring_plan(monkeypatch, 8192, 28672, bits, 64, "2", "8")
     assert (ring4["gemv_warps"], ring8["gemv_warps"]) == (4, 8)
     if torch.cuda.get_device_capability() in ((8, 0), (9, 0)):
         assert (ring4["resident_blocks"], ring8["resident_blocks"]) == (7, 4), (ring4, ring8)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    auto = plan(8192, 28672)
+    auto = ring_plan(monkeypatch, 8192, 28672, bits, 64)
     if sms * ring8["resident_blocks"] >= 512:
         assert auto["gemv_ring"] == 2 and auto["tail_splits"] == 0 and auto["grid_blocks"] == 512, auto
 

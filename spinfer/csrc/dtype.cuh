@@ -48,6 +48,14 @@ struct Packed : Dtype<kBF16> {
   }
   // 0xffff in each half where a >= b, else 0
   static __device__ __forceinline__ uint32_t ge_mask(uint32_t a, uint32_t b) { return __hge2_mask(pair(a), pair(b)); }
+  // Both halves set to half h of r. Written as the intrinsics (not a prmt) so that ptxas can fold
+  // it into a consuming HADD2 / HFMA2 as an operand selector (R.H0_H0, R.H1_H1).
+  static __device__ __forceinline__ uint32_t broadcast(uint32_t r, int h) {
+    if constexpr (kBF16)
+      return bits(h ? __high2bfloat162(pair(r)) : __low2bfloat162(pair(r)));
+    else
+      return bits(h ? __high2half2(pair(r)) : __low2half2(pair(r)));
+  }
   // Both halves set to v (rounded once); with a constant v the compiler folds it.
   static __device__ __forceinline__ uint32_t splat(float v) {
     const uint32_t u = Dtype<kBF16>::from_float(v);

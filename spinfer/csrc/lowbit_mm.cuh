@@ -590,14 +590,20 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
       // The segment from its zc2 (see above) on; sum_path: its zeros go through sum(x). Each call
       // passes its own zc2 and the lambda is inlined, so the integer_zeros copy has no check.
       auto segment = [&](const SegmentZero z2, const bool sum_path) {
+        if constexpr (kInPlace<kBF16, BITS>) {
+          // zo = kOddBias - zc, e.g. fp16 4-bit -64 - z = 960 - (1024 + z), for both rows at once; each
+          // row's zc and zo are broadcasts that ptxas folds into the decode's HADD2 / HFMA2 operands
+          // (2 PRMT and an HADD2 fewer a segment). Elsewhere the broadcasts stay PRMT: at 8 bits the
+          // folded form spilled (fp16, 16-token tiles).
+          const uint32_t zo2 = Num<kBF16>::sub(Num<kBF16>::splat(kOddBias<kBF16, BITS>), z2.zc2);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          zc[h] = ptx::prmt(z2.zc2, z2.zc2, h ? 0x3232 : 0x1010);
-          if constexpr (kBF16 && BITS == 8) zo[h] = ptx::prmt(z2.zo2, z2.zo2, h ? 0x3232 : 0x1010);
-        }
-        if constexpr (kInPlace<kBF16, BITS>) {  // zo = kOddBias - zc, e.g. fp16 4-bit -64 - z = 960 - (1024 + z)
+          for (int h = 0; h < 2; ++h) zc[h] = Num<kBF16>::broadcast(z2.zc2, h), zo[h] = Num<kBF16>::broadcast(zo2, h);
+        } else {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) zo[h] = Num<kBF16>::sub(Num<kBF16>::splat(kOddBias<kBF16, BITS>), zc[h]);
+          for (int h = 0; h < 2; ++h) {
+            zc[h] = ptx::prmt(z2.zc2, z2.zc2, h ? 0x3232 : 0x1010);
+            if constexpr (kBF16 && BITS == 8) zo[h] = ptx::prmt(z2.zo2, z2.zo2, h ? 0x3232 : 0x1010);
+          }
         }
         float part[BN / 8][4];
 #pragma unroll

@@ -113,7 +113,10 @@ __host__ __device__ constexpr int gemv_slot_bytes() {
   return kGemvRows * chunks_per_stage<BITS>() * kChunk * BITS / 8 + kGemvRows * chunks_per_stage<BITS>() * NG * 4 +
          chunks_per_stage<BITS>() * kChunk * 2;
 }
-// The ring path's slots a warp (LowbitPlan::gemv_ring) and a block's dynamic shared memory.
+// The ring path's slots a warp (LowbitPlan::gemv_ring) and a block's dynamic shared memory. 3 and 4
+// slots (2 and 3 stages in flight a warp) measured slower at every width: H100, N = 1, seven layers,
+// geomean x cuBLAS 2 / 3 / 4 slots, 2-bit g64 3.91 / 3.72 / 3.49, 1-bit g128 4.11 / 4.00 / 3.92
+// (docs/quant.md, forty-sixth and forty-ninth sessions).
 constexpr int kGemvRingSlots = 2;
 template <int BITS, int NG, int R, int W = kGemvWarps>
 constexpr int gemv_smem_bytes() {

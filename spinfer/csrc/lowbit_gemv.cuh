@@ -403,23 +403,12 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
         const SegmentZero z2 = segment_zero<kBF16, BITS>(zz, !kFixed || sums);
         uint32_t zc[2], zo[2] = {0u, 0u};
         float sc[2], zf[2] = {0.f, 0.f};
-        // At 1 and 2 bits zo for both rows at once, and each row's zc and zo as broadcasts that
-        // ptxas folds into the decode's HADD2 / HFMA2 operands: a 2-bit g64 step 270 -> 258
-        // instructions (SASS, fp16; docs/quant.md, forty-ninth session). At 4 bits the same source
-        // compiled to more PRMT, not fewer, and measured ~1% slower; there the broadcasts stay PRMT.
-        constexpr bool kFold = BITS <= 2;
-        if constexpr (kFold) {
-          const uint32_t zo2 = Nm::sub(Nm::splat(kOddBias<kBF16, BITS>), z2.zc2);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) zc[h] = Nm::broadcast(z2.zc2, h), zo[h] = Nm::broadcast(zo2, h);
-        }
+        // Folded at 1 and 2 bits: a 2-bit g64 step 270 -> 258 instructions (SASS, fp16; docs/quant.md,
+        // forty-ninth session). At 4 bits the folded form compiled to more PRMT, not fewer, and
+        // measured ~1% slower.
+        row_constants<kBF16, BITS, (BITS <= 2)>(z2, zc, zo);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if constexpr (!kFold) {
-            zc[h] = ptx::prmt(z2.zc2, z2.zc2, h ? 0x3232 : 0x1010);
-            if constexpr (kInPlace<kBF16, BITS>) zo[h] = Nm::sub(Nm::splat(kOddBias<kBF16, BITS>), zc[h]);
-            if constexpr (kBF16 && BITS == 8) zo[h] = ptx::prmt(z2.zo2, z2.zo2, h ? 0x3232 : 0x1010);
-          }
           sc[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] & 0xffffu));
           if (sums)  // z - zi, zi exact
             zf[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] >> 16)) -

@@ -289,6 +289,29 @@ __device__ __forceinline__ SegmentZero segment_zero(uint32_t zz, bool clamp) {
   }
 }
 
+// A segment's per-row constants for unpack_pair, zc[h] and zo[h] (rows g and g + 8: halves 0 and 1 of
+// z2's pairs), each with the same value in both halves. kFold (in-place decodes only): zo for both
+// rows in one HADD2, and each row's constants as broadcasts that ptxas folds into the decode's HADD2 /
+// HFMA2 as operand selectors (R.H0_H0 / R.H1_H1), 2 PRMT and an HADD2 fewer a segment than the PRMT
+// form. Which kernels fold where is measured (their call sites).
+template <bool kBF16, int BITS, bool kFold>
+__device__ __forceinline__ void row_constants(const SegmentZero& z2, uint32_t (&zc)[2], uint32_t (&zo)[2]) {
+  using N = Num<kBF16>;
+  if constexpr (kFold) {
+    static_assert(kInPlace<kBF16, BITS>, "the folded form is the in-place decode's");
+    const uint32_t zo2 = N::sub(N::splat(kOddBias<kBF16, BITS>), z2.zc2);  // e.g. fp16 4-bit 960 - (1024 + z)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) zc[h] = N::broadcast(z2.zc2, h), zo[h] = N::broadcast(zo2, h);
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      zc[h] = ptx::prmt(z2.zc2, z2.zc2, h ? 0x3232 : 0x1010);
+      if constexpr (kInPlace<kBF16, BITS>) zo[h] = N::sub(N::splat(kOddBias<kBF16, BITS>), zc[h]);
+      if constexpr (kBF16 && BITS == 8) zo[h] = ptx::prmt(z2.zo2, z2.zo2, h ? 0x3232 : 0x1010);
+    }
+  }
+}
+
 // A lane's NW words (all BITS of a chunk, or half of them) at byte `offset` of row `r` (whose
 // first byte is `row`), swizzled or (bulk copies) as the format stores it.
 template <int BITS, int NW>
@@ -590,21 +613,9 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
       // The segment from its zc2 (see above) on; sum_path: its zeros go through sum(x). Each call
       // passes its own zc2 and the lambda is inlined, so the integer_zeros copy has no check.
       auto segment = [&](const SegmentZero z2, const bool sum_path) {
-        if constexpr (kInPlace<kBF16, BITS>) {
-          // zo = kOddBias - zc, e.g. fp16 4-bit -64 - z = 960 - (1024 + z), for both rows at once; each
-          // row's zc and zo are broadcasts that ptxas folds into the decode's HADD2 / HFMA2 operands
-          // (2 PRMT and an HADD2 fewer a segment). Elsewhere the broadcasts stay PRMT: at 8 bits the
-          // folded form spilled (fp16, 16-token tiles).
-          const uint32_t zo2 = Num<kBF16>::sub(Num<kBF16>::splat(kOddBias<kBF16, BITS>), z2.zc2);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) zc[h] = Num<kBF16>::broadcast(z2.zc2, h), zo[h] = Num<kBF16>::broadcast(zo2, h);
-        } else {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            zc[h] = ptx::prmt(z2.zc2, z2.zc2, h ? 0x3232 : 0x1010);
-            if constexpr (kBF16 && BITS == 8) zo[h] = ptx::prmt(z2.zo2, z2.zo2, h ? 0x3232 : 0x1010);
-          }
-        }
+        // Folded where the decode is in place (measured 1-2% faster at 2 bits, N = 8 / 16; docs/quant.md,
+        // forty-ninth session); at 8 bits the folded form spilled (fp16, 16-token tiles).
+        row_constants<kBF16, BITS, kInPlace<kBF16, BITS>>(z2, zc, zo);
         float part[BN / 8][4];
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)

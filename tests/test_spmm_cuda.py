@@ -143,6 +143,34 @@ def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
             monkeypatch.delenv("SPINFER_SPLITS", raising=False)
 
 
+@pytest.mark.parametrize("count_rows", ["0", "1"])
+def test_rows_above_counted_by_either_warp(monkeypatch, count_rows):
+    """The bitmap rows above each decoding warp's row counted by the producer warp or by the warp
+    itself (SPINFER_COUNT_ROWS) give the same bits at BN = 8 and 16, split and unsplit, with a
+    stage of a single GroupTile (1450 columns: 23 GroupTiles) and a dense GroupTile row among
+    sparse ones, and the float64 check holds; the plan reports it (BN <= 16 on the sm_90 loader
+    only)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
+        w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
+        w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
+        enc = TCABME.from_dense(w)
+        for splits in (None, "3"):
+            if splits:
+                monkeypatch.setenv("SPINFER_SPLITS", splits)
+            for n in (1, 5, 8, 16, 32):
+                x = torch.randn(n, 1450, device="cuda").to(dtype)
+                monkeypatch.setenv("SPINFER_COUNT_ROWS", "1" if count_rows == "0" else "0")
+                other = spmm_poisoned(x, enc)
+                monkeypatch.setenv("SPINFER_COUNT_ROWS", count_rows)
+                y = spmm_poisoned(x, enc)
+                assert torch.equal(y, other), (n, splits)
+                assert rel_err(y, x.double() @ w.double().t()) <= TOL[dtype]
+                plan = spmm_plan(enc, n, dtype=dtype)
+                assert plan["count_rows"] == (plan["bulk"] and plan["bn"] <= 16 and count_rows == "1"), plan
+            monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+
+
 def test_plan_reports_the_launch():
     """spmm_plan: the tile by N, the GroupTile grid, a forced split factor, and a default of the
     lean decode at every tile."""
@@ -161,6 +189,13 @@ def test_plan_reports_the_launch():
         # most half its compressed weights (two 512-byte bitmaps, two runs of value_cap values)
         x_bytes, w_bytes = 2 * 64 * p["bn"] * 2, 2 * (512 + 2 * p["value_cap"])
         assert p["x_l1"] == (p["bulk"] and 2 * x_bytes <= w_bytes), (n, p)
+        # the producer counts the rows above at BN = 16, and at BN = 8 where the longest run is
+        # at least 60% of a GroupTile (spmm_smbd.cu)
+        long_runs = 5 * p["value_cap"] >= 3 * 4096
+        assert p["count_rows"] == (p["bulk"] and p["bn"] <= 16 and (p["bn"] == 16 or long_runs)), (n, p)
+    for sparsity, long_runs in ((0.3, True), (0.5, False), (0.8, False)):
+        p = spmm_plan(TCABME.from_dense(random_sparse((128, 1024), sparsity, torch.float16, device="cuda")), 1)
+        assert p["count_rows"] == (p["bulk"] and long_runs), (sparsity, p)
     assert spmm_plan(enc, 1, splits=3)["splits"] == 3
     assert spmm_plan(enc, 1, splits=3)["k_per_split"] == 8  # 23 GroupTiles: whole pairs per split
     with pytest.raises(ValueError, match="n must be"):

@@ -336,7 +336,8 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
   const SpmmPlan p = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(x.size(0)), static_cast<int>(kp), cap, bf16,
                                     x.get_device(), static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   return {p.bn, p.n_tiles, p.grid_m, p.grid_k, p.splits, p.k_per_split, p.stages, p.value_cap, p.smem_bytes,
-          spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk, p.x_l1};
+          spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk, p.x_l1,
+          p.count_rows};
 }
 
 // The fused low-bit kernel's launch for x's N, dtype and device and an [m, k] weight of `bits` and

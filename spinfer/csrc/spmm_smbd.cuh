@@ -226,24 +226,42 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
   }
 }
 
-// Decodes and multiplies this warp's TCTile row of the stage's GroupTiles (one or two).
-//   bm32: the stage's bitmaps as 2 x 128 half-words; vals: the two runs, the second at the
-//   split of `pr` (stage_pair; kValueSlack readable elements past both); pack: 2 x kPackPerGt pairs.
-template <bool kBF16, int BN, bool kLean>
-__device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const uint2 pr,
-                                             const uint32_t (&xa)[BN / 8], uint2* pack, int warp, int lane,
-                                             uint32_t to_top, float (&acc)[BN / 8][4]) {
-  // Exclusive PopCount prefix of every 32-bit half-word of this warp's 16 words, relative to
-  // its run, for both GroupTiles at once: the two counts travel packed in 16-bit fields (at
-  // most 4096 each) through one reduction and one 5-step scan. The second GroupTile's bitmap
-  // is read even when the stage holds only one; its fields are then unused.
-  // (The fields are packed with a multiply-add: one FMA-pipe instruction, not a shift and an OR.)
-  const uint32_t h0 = bm32[32 * warp + lane], h1 = bm32[4 * 32 + 32 * warp + lane];
-  uint32_t before = 0;  // set bits in the TCTile rows of the warps above
+// This lane's half-word of TCTile row `row` of a stage's two GroupTiles: its set bits in 16-bit
+// fields, GroupTile 0 low and 1 high, as decode_stage's scan takes them. The second GroupTile's
+// bitmap is read even when the stage holds only one; its field is then unused. (The fields are
+// packed with a multiply-add: one FMA-pipe instruction, not a shift and an OR.)
+__device__ __forceinline__ uint32_t row_bits(const uint32_t* bm32, int row, int lane) {
+  return __popc(bm32[4 * 32 + 32 * row + lane]) * 65536u + __popc(bm32[32 * row + lane]);
+}
+
+// The set bits of a stage's TCTile rows above row `row` (0..3), packed as row_bits; the same
+// value in every lane.
+__device__ __forceinline__ uint32_t rows_above(const uint32_t* bm32, int row, int lane) {
+  uint32_t before = 0;
 #pragma unroll
   for (int w = 0; w < kWarps - 1; ++w)
-    if (w < warp) before += __popc(bm32[4 * 32 + 32 * w + lane]) * 65536u + __popc(bm32[32 * w + lane]);
-  before = __reduce_add_sync(kFull, before);
+    if (w < row) before += row_bits(bm32, w, lane);
+  return __reduce_add_sync(kFull, before);
+}
+
+// Decodes and multiplies this warp's TCTile row of the stage's GroupTiles (one or two).
+//   bm32: the stage's bitmaps as 2 x 128 half-words; vals: the two runs, the second at the
+//   split of `pr` (stage_pair; kValueSlack readable elements past both); above: rows_above for
+//   this warp's row where the producer warp counted it (kCounted), else it is counted here; pack:
+//   2 x kPackPerGt pairs.
+template <bool kBF16, int BN, bool kLean, bool kCounted>
+__device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const uint2 pr,
+                                             const uint32_t* above, const uint32_t (&xa)[BN / 8], uint2* pack,
+                                             int warp, int lane, uint32_t to_top, float (&acc)[BN / 8][4]) {
+  // Exclusive PopCount prefix of every 32-bit half-word of this warp's 16 words, relative to
+  // its run, for both GroupTiles at once: the two counts travel packed in 16-bit fields (at
+  // most 4096 each) through one 5-step scan.
+  const uint32_t h0 = bm32[32 * warp + lane], h1 = bm32[4 * 32 + 32 * warp + lane];
+  uint32_t before;
+  if constexpr (kCounted)
+    before = *above;
+  else
+    before = rows_above(bm32, warp, lane);
   const uint32_t cnt = __popc(h1) * 65536u + __popc(h0);
   uint32_t incl = cnt;
   incl = ptx::scan_up_add<1>(incl);
@@ -288,8 +306,9 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // The kernel. kBulk (sm_90): lane 0 of the producer warp posts the stage's byte count on its
 // mbarrier and issues cp.async.bulk copies of the bitmaps and the value runs; the producer's
 // lanes copy the x rows with cp.async and arrive when they land. Otherwise (sm_80): every
-// thread issues 16-byte cp.async and groups are counted.
-template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>>
+// thread issues 16-byte cp.async and groups are counted. kCount (SpmmPlan::count_rows): the
+// producer warp also counts the bitmap rows above each decoding warp's (rows_above).
+template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false>
 __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
                      const int n_stages) {
@@ -299,12 +318,15 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
   } else
 #endif
   {
+    static_assert(!kCount || (kBulk && BN <= 16), "the producer counts rows for the sm_90 loader at BN <= 16");
     using L = Layout<BN>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ __align__(8) uint64_t s_full[kMaxStages];  // bulk: the stage's bytes have landed
     __shared__ __align__(16) uint2 s_pack[kWarps][kPair * kPackPerGt];
+    // kCount: rows_above of each stage's TCTile rows, counted once by the producer warp
+    __shared__ uint32_t s_above[kCount ? kMaxStages : 1][kWarps];
     __shared__ int s_is_last;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -322,6 +344,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
         for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], 1 + 32);
         ptx::fence_mbarrier_init();
       }
+      if (kCount && tid < kMaxStages) s_above[tid][0] = 0u;  // nothing above row 0
     }
     __syncthreads();
     // The stage table (stage_pair), made by the decoding warps while the producer issues its first
@@ -421,9 +444,9 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
       uint32_t xa[BN / 8];
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) xa[nb] = ptx::smem_addr(st) + x_lane[nb];
-      decode_stage<kBF16, BN, kLean>(reinterpret_cast<const uint32_t*>(st),
-                                     reinterpret_cast<const uint16_t*>(st + L::kValueOffset), s_pairs[p], xa,
-                                     s_pack[warp], warp, lane, to_top, acc);
+      decode_stage<kBF16, BN, kLean, kCount>(reinterpret_cast<const uint32_t*>(st),
+                                             reinterpret_cast<const uint16_t*>(st + L::kValueOffset), s_pairs[p],
+                                             &s_above[stage][warp], xa, s_pack[warp], warp, lane, to_top, acc);
     };
 
     // Stage p is consumed while stages p+1 .. p+S-1 are in flight; the prefetch at step p
@@ -434,13 +457,35 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     const bool producer = kBulk && warp == kWarps;
     if constexpr (kBulk) {
       if (producer) {
+        // kCount: once stage q has landed, the producer counts the set bits of its TCTile
+        // rows 0-2 (rows_above for each decoding warp's row) into s_above, and the next block
+        // barrier publishes them. Otherwise every decoding warp counts the rows above its own,
+        // 6 predicated loads and PopCounts and a reduction a stage whatever its row: ~20 of a
+        // stage's ~408 instructions (BN = 8, sm_90a SASS), and a chain of loads and a reduction
+        // before each stage's scan.
+        auto count_rows = [&](int q) {
+          const int c = q % S;
+          ptx::mbarrier_wait_parity(&s_full[c], (q / S) & 1);
+          const uint32_t* bm32 = reinterpret_cast<const uint32_t*>(smem + c * lay.stage_bytes);
+          uint32_t run = 0, above[kWarps - 1];
+#pragma unroll
+          for (int r = 0; r < kWarps - 1; ++r) {
+            run += row_bits(bm32, r, lane);
+            above[r] = __reduce_add_sync(kFull, run);  // rows_above(bm32, r + 1, lane)
+          }
+          if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < kWarps - 1; ++r) s_above[c][r + 1] = above[r];
+        };
         for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st, false);
         ptx::griddep_wait();  // x is the previous kernel's output
         for (int st = 0; st < S - 1 && st < np; ++st) issue_x(st, st);
+        if (kCount && np > 0) count_rows(0);
         for (int p = 0, ps = S - 1; p < np; ++p) {
           ptx::bar_sync_block();  // all warps are done with stage ps, which the prefetch overwrites
           if (p + S - 1 < np) issue_bulk(ps, p + S - 1, true);
           if (++ps == S) ps = 0;
+          if (kCount && p + 1 < np) count_rows(p + 1);  // its slot's counts were last read at step p + 1 - S
         }
       } else {
         uint32_t full = ptx::smem_addr(s_full);
@@ -501,6 +546,11 @@ auto kernel_for(const SpmmPlan& plan) {
   if (!plan.bulk) return plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true> : spmm_smbd_kernel<kBF16, BN, false, false>;
   if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
   if constexpr (BN <= 16) {
+    if (plan.count_rows) {
+      if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8, true>;
+      if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true>;
+      return spmm_smbd_kernel<kBF16, BN, true, true, 9, true>;
+    }
     if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8>;
     if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7>;
   }

@@ -43,6 +43,11 @@ struct SpmmPlan {
   bool pdl;         // programmatic dependent launch (sm_90; SPINFER_PDL=0 turns it off)
   bool lean;        // decode variant: prefix as a shared address clamped once (the default) or
                     // offsets clamped per word (SPINFER_DECODE=safe)
+  bool count_rows;  // the sm_90 producer warp counts the set bits of each stage's TCTile rows above
+                    // each decoding warp's row (kCount), which the warps otherwise count
+                    // themselves: at BN = 16, and at BN = 8 where the longest run is at least 60%
+                    // of a GroupTile (spmm_smbd.cu); SPINFER_COUNT_ROWS=0|1 overrides for the
+                    // lean sm_90 kernel at BN <= 16 (never elsewhere)
   bool x_l1;        // the sm_90 loader copies the activation slices through L1 (cp.async.ca), where
                     // a slice is at most half a stage's compressed weight bytes (spmm_smbd.cu);
                     // SPINFER_SPMM_XL1=0|1 overrides

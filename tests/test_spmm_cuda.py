@@ -119,6 +119,27 @@ def test_l2_policy_forced(monkeypatch, loader):
         assert torch.equal(outs[0], outs[1])
 
 
+def check_forced_flag(monkeypatch, env, value, w, ns, plan_flag, reported):
+    """Launches under SPINFER_<env>=value and under the other value give the same bits for every
+    N in ns, split and unsplit, the float64 check holds, and the plan's `plan_flag` is
+    reported(plan) for the forced value."""
+    enc = TCABME.from_dense(w)
+    for splits in (None, "3"):
+        if splits:
+            monkeypatch.setenv("SPINFER_SPLITS", splits)
+        for n in ns:
+            x = torch.randn(n, w.shape[1], device="cuda").to(w.dtype)
+            monkeypatch.setenv(f"SPINFER_{env}", "1" if value == "0" else "0")
+            other = spmm_poisoned(x, enc)
+            monkeypatch.setenv(f"SPINFER_{env}", value)
+            y = spmm_poisoned(x, enc)
+            assert torch.equal(y, other), (n, splits)
+            assert rel_err(y, x.double() @ w.double().t()) <= TOL[w.dtype]
+            plan = spmm_plan(enc, n, dtype=w.dtype)
+            assert plan[plan_flag] == reported(plan), plan
+        monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+
+
 @pytest.mark.parametrize("x_l1", ["0", "1"])
 def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
     """The sm_90 loader's activation copies through L1 or not (SPINFER_SPMM_XL1) give the same
@@ -126,49 +147,23 @@ def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
     plan reports what was forced (never on the sm_80 loader, which has no such copies)."""
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1000), 0.4, dtype, device="cuda")
-        enc = TCABME.from_dense(w)
-        for splits in (None, "3"):
-            if splits:
-                monkeypatch.setenv("SPINFER_SPLITS", splits)
-            for n in (1, 8, 16, 24, 64):
-                x = torch.randn(n, 1000, device="cuda").to(dtype)
-                monkeypatch.setenv("SPINFER_SPMM_XL1", "1" if x_l1 == "0" else "0")
-                other = spmm_poisoned(x, enc)
-                monkeypatch.setenv("SPINFER_SPMM_XL1", x_l1)
-                y = spmm_poisoned(x, enc)
-                assert torch.equal(y, other), (n, splits)
-                assert rel_err(y, x.double() @ w.double().t()) <= TOL[dtype]
-                plan = spmm_plan(enc, n, dtype=dtype)
-                assert plan["x_l1"] == (plan["bulk"] and x_l1 == "1")
-            monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+        check_forced_flag(monkeypatch, "SPMM_XL1", x_l1, w, (1, 8, 16, 24, 64), "x_l1",
+                          lambda plan: plan["bulk"] and x_l1 == "1")
 
 
 @pytest.mark.parametrize("count_rows", ["0", "1"])
 def test_rows_above_counted_by_either_warp(monkeypatch, count_rows):
     """The bitmap rows above each decoding warp's row counted by the producer warp or by the warp
     itself (SPINFER_COUNT_ROWS) give the same bits at BN = 8 and 16, split and unsplit, with a
-    stage of a single GroupTile (1450 columns: 23 GroupTiles) and a dense GroupTile row among
-    sparse ones, and the float64 check holds; the plan reports it (BN <= 16 on the sm_90 loader
-    only)."""
+    stage of a single GroupTile (1450 columns: 23 GroupTiles), a dense GroupTile and a dense row
+    among sparse ones, and the float64 check holds; the plan reports it (BN <= 16 on the sm_90
+    loader only)."""
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
         w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
         w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
-        enc = TCABME.from_dense(w)
-        for splits in (None, "3"):
-            if splits:
-                monkeypatch.setenv("SPINFER_SPLITS", splits)
-            for n in (1, 5, 8, 16, 32):
-                x = torch.randn(n, 1450, device="cuda").to(dtype)
-                monkeypatch.setenv("SPINFER_COUNT_ROWS", "1" if count_rows == "0" else "0")
-                other = spmm_poisoned(x, enc)
-                monkeypatch.setenv("SPINFER_COUNT_ROWS", count_rows)
-                y = spmm_poisoned(x, enc)
-                assert torch.equal(y, other), (n, splits)
-                assert rel_err(y, x.double() @ w.double().t()) <= TOL[dtype]
-                plan = spmm_plan(enc, n, dtype=dtype)
-                assert plan["count_rows"] == (plan["bulk"] and plan["bn"] <= 16 and count_rows == "1"), plan
-            monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+        check_forced_flag(monkeypatch, "COUNT_ROWS", count_rows, w, (1, 5, 8, 16, 32), "count_rows",
+                          lambda plan: plan["bulk"] and plan["bn"] <= 16 and count_rows == "1")
 
 
 def test_plan_reports_the_launch():

@@ -216,11 +216,12 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   if (const char* env = std::getenv("SPINFER_SPMM_XL1")) p.x_l1 = p.bulk && env[0] == '1';
   // Who counts the rows above each decoding warp's row (spmm_smbd.cuh, rows_above): the producer
   // warp once a stage (kCount) at BN = 16, and at BN = 8 where the longest run is at least 60% of
-  // a GroupTile (about 40% sparsity or less). H100, HEAD against the producer counting at every
-  // BN <= 16, separate processes, least of 3 rounds, four issue shapes, three rounds (docs/kernels.md,
-  // fiftieth session): N = 16 1-9% faster at 30, 50 and 70% sparsity; N = 1 and 8 1-6% faster at
-  // 30%, but 0.4% slower at 50% and 0.7% at 70%, where the count's wait for the stage moves onto
-  // the block barrier. SPINFER_COUNT_ROWS=0|1 overrides (the lean sm_90 kernel at BN <= 16).
+  // a GroupTile (about 40% sparsity or less). H100, v14 (every warp counts) against the producer
+  // counting at every BN <= 16, separate processes, least of 3 rounds, four issue shapes, three
+  // rounds (docs/kernels.md, fiftieth session): N = 16 1-9% faster at 30, 50 and 70% sparsity;
+  // N = 1 and 8 1-6% faster at 30%, but 0.4% slower at 50% and 0.7% at 70%, where the count's wait
+  // for the stage moves onto the block barrier; those keep v14's code. SPINFER_COUNT_ROWS=0|1
+  // overrides (the lean sm_90 kernel at BN <= 16).
   p.count_rows = budgets && (p.bn == 16 || p.value_cap * 5 >= kMaxValues * 3);
   if (const char* env = std::getenv("SPINFER_COUNT_ROWS")) p.count_rows = budgets && env[0] == '1';
   if (p.splits > 1) {

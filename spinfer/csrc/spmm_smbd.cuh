@@ -55,10 +55,19 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kValueSlack = 40;
 
 // The {bits, prefix} pairs a warp publishes for one GroupTile: 16 words x 2 halves, stored
-// half-major so a lane fetches the four words of a TCTile with two 16-byte loads; the halves
-// are 20 pairs apart (160 B) so the two addresses of a load fall in different banks.
-constexpr int kPackStride = 20;
-constexpr int kPackPerGt = 2 * kPackStride;
+// half-major so a lane fetches the four words of a TCTile with two 16-byte loads. The halves are
+// 24 pairs apart (192 B, 64 B past a multiple of the 128 B bank row): the publishing store is
+// 8 bytes a lane, which shared memory serves a half-warp at a time, and each half-warp writes
+// pairs 0-7 (or 8-15) of both halves, so the two 64-byte pieces must fall in different banks.
+// At 20 apart (160 B) they shared 32 B of banks and every store took four wavefronts instead of
+// two (Nsight Compute, fifty-first session). The second GroupTile's pairs start 40 pairs in
+// (320 B), which keeps the same 192 B between its halves in the 80 pairs of before:
+// [0, 128) [192, 320) for the first GroupTile, [320, 448) [512, 640) for the second.
+constexpr int kPackStride = 24;
+constexpr int kPackPerGt = 40;
+static_assert(kPackStride >= 16 && kPackPerGt >= kPackStride + 16 && kPackPerGt + kPackStride + 16 <= 2 * kPackPerGt,
+              "the four 16-pair pieces of a warp's pairs must not overlap");
+static_assert(kPackStride * 8 % 128 == 64 && kPackPerGt * 8 % 16 == 0, "halves 64 B off the bank row, 16 B aligned");
 
 // Shared memory of one block: `stages` stages, each holding two bitmaps (1 KB), a value buffer
 // for two runs and one x slice [x_rows][kXStride]; then the GroupTile offsets of the block and
@@ -248,7 +257,7 @@ __device__ __forceinline__ uint32_t rows_above(const uint32_t* bm32, int row, in
 //   bm32: the stage's bitmaps as 2 x 128 half-words; vals: the two runs, the second at the
 //   split of `pr` (stage_pair; kValueSlack readable elements past both); above: rows_above for
 //   this warp's row where the producer warp counted it (kCounted), else it is counted here; pack:
-//   2 x kPackPerGt pairs.
+//   2 x kPackPerGt pairs (the second GroupTile's at kPackPerGt).
 template <bool kBF16, int BN, bool kLean, bool kCounted>
 __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const uint2 pr,
                                              const uint32_t* above, const uint32_t (&xa)[BN / 8], uint2* pack,

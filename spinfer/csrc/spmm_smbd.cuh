@@ -62,7 +62,8 @@ constexpr int kValueSlack = 40;
 // At 20 apart (160 B) they shared 32 B of banks and every store took four wavefronts instead of
 // two (Nsight Compute, fifty-first session). The second GroupTile's pairs start 40 pairs in
 // (320 B), which keeps the same 192 B between its halves in the 80 pairs of before:
-// [0, 128) [192, 320) for the first GroupTile, [320, 448) [512, 640) for the second.
+// [0, 128) [192, 320) for the first GroupTile, [320, 448) [512, 640) for the second. The 16-byte
+// loads of decode_gt read one address a half-warp, which fall in different banks at 160 B and 192 B.
 constexpr int kPackStride = 24;
 constexpr int kPackPerGt = 40;
 static_assert(kPackStride >= 16 && kPackPerGt >= kPackStride + 16 && kPackPerGt + kPackStride + 16 <= 2 * kPackPerGt,

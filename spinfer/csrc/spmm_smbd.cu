@@ -44,9 +44,9 @@ struct ResidentF {
 };
 
 // Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
-// dtype, variant, shared memory).
+// dtype, variant (loader, decode, row count), shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
-  const std::array<int, 6> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.smem_bytes};
+  const std::array<int, 6> key{device, bf16, p.bn, p.bulk * 2 + p.lean + 4 * p.count_rows, p.min_blocks, p.smem_bytes};
   return asked_once(key, [&] { return by_tile<ResidentF>(p.bn, &p, bf16); });
 }
 
@@ -138,7 +138,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   const int fixed = std::max(0, env_int("SPINFER_SPLIT_FIXED", 40));     // tenths of a GroupTile (A/B runs)
   const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p)));  // tenths of a block per SM
   static std::map<std::array<int, 14>, int> cache;
-  const std::array<int, 14> key{device, bf16, p.bn, p.bulk * 2 + p.lean, p.min_blocks, p.stages, p.value_cap,
+  const std::array<int, 14> key{device, bf16, p.bn, p.bulk * 2 + p.lean + 4 * p.count_rows, p.min_blocks, p.stages, p.value_cap,
                                 p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed, cap};
   {
     const std::lock_guard<std::mutex> lock(mutex);
@@ -195,6 +195,17 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const bool budgets = p.bulk && p.lean && p.bn <= 16;
   const bool forced = budgets && (forced_budget == 7 || forced_budget == 8 || forced_budget == 9);
   p.min_blocks = !budgets ? 0 : forced ? forced_budget : 7;
+  // Who counts the rows above each decoding warp's row (spmm_smbd.cuh, rows_above): the producer
+  // warp once a stage (kCount) at BN = 16, and at BN = 8 where the longest run is at least 60% of
+  // a GroupTile (about 40% sparsity or less). Set before the split choice, which asks CUDA for the
+  // occupancy of the kernel that will run (the count's table adds static shared memory). H100, v14 (every warp counts) against the producer
+  // counting at every BN <= 16, separate processes, least of 3 rounds, four issue shapes, three
+  // rounds (docs/kernels.md, fiftieth session): N = 16 1-9% faster at 30, 50 and 70% sparsity;
+  // N = 1 and 8 1-6% faster at 30%, but 0.4% slower at 50% and 0.7% at 70%, where the count's wait
+  // for the stage moves onto the block barrier; those keep v14's code. SPINFER_COUNT_ROWS=0|1
+  // overrides (the lean sm_90 kernel at BN <= 16).
+  p.count_rows = budgets && (p.bn == 16 || p.value_cap * 5 >= kMaxValues * 3);
+  if (const char* env = std::getenv("SPINFER_COUNT_ROWS")) p.count_rows = budgets && env[0] == '1';
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);
@@ -214,16 +225,6 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const int x_bytes = kPair * kGt * p.bn * 2, w_bytes = kPair * (kBitmapBytes + 2 * p.value_cap);
   p.x_l1 = p.bulk && 2 * x_bytes <= w_bytes;
   if (const char* env = std::getenv("SPINFER_SPMM_XL1")) p.x_l1 = p.bulk && env[0] == '1';
-  // Who counts the rows above each decoding warp's row (spmm_smbd.cuh, rows_above): the producer
-  // warp once a stage (kCount) at BN = 16, and at BN = 8 where the longest run is at least 60% of
-  // a GroupTile (about 40% sparsity or less). H100, v14 (every warp counts) against the producer
-  // counting at every BN <= 16, separate processes, least of 3 rounds, four issue shapes, three
-  // rounds (docs/kernels.md, fiftieth session): N = 16 1-9% faster at 30, 50 and 70% sparsity;
-  // N = 1 and 8 1-6% faster at 30%, but 0.4% slower at 50% and 0.7% at 70%, where the count's wait
-  // for the stage moves onto the block barrier; those keep v14's code. SPINFER_COUNT_ROWS=0|1
-  // overrides (the lean sm_90 kernel at BN <= 16).
-  p.count_rows = budgets && (p.bn == 16 || p.value_cap * 5 >= kMaxValues * 3);
-  if (const char* env = std::getenv("SPINFER_COUNT_ROWS")) p.count_rows = budgets && env[0] == '1';
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.grid_m;
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt;

@@ -1,6 +1,7 @@
 """Small and odd launches for compute-sanitizer (memcheck, racecheck, synccheck): SpMM with
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
-variants, the three register budgets, the rows above counted by the producer warp or by each warp, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
+variants, the three register budgets, the rows above counted by the producer warp or by each warp, the next stage requested after the
+first has landed or with it, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
@@ -18,17 +19,18 @@ import spinfer
 from spinfer.format import TCABME
 
 spinfer.build.load_extension()
-for m, k, n, splits, stages, decode, budget, count in [
-        (64, 64, 1, "1", "2", "lean", "9", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0"),
-        (4097, 1000, 9, "3", "2", "lean", "8", "1"), (200, 700, 33, "2", "4", "safe", "9", "0"),
-        (300, 1450, 5, "3", "3", "lean", "7", "1"), (300, 1450, 24, "2", "2", "lean", "9", "0"),
-        (4097, 1000, 16, "2", "2", "lean", "8", "0"), (4097, 1000, 1, "2", "2", "lean", "7", "0"),
-        (4097, 1000, 8, "2", "4", "lean", "7", "1")]:
+for m, k, n, splits, stages, decode, budget, count, stagger in [
+        (64, 64, 1, "1", "2", "lean", "9", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1"),
+        (4097, 1000, 9, "3", "2", "lean", "8", "1", "1"), (200, 700, 33, "2", "4", "safe", "9", "0", "0"),
+        (300, 1450, 5, "3", "3", "lean", "7", "1", "1"), (300, 1450, 24, "2", "2", "lean", "9", "0", "1"),
+        (4097, 1000, 16, "2", "2", "lean", "8", "0", "0"), (4097, 1000, 1, "2", "2", "lean", "7", "0", "1"),
+        (4097, 1000, 8, "2", "4", "lean", "7", "1", "1"), (4097, 1000, 1, "2", "2", "lean", "7", "0", "0")]:
     os.environ["SPINFER_SPLITS"] = splits
     os.environ["SPINFER_STAGES"] = stages
     os.environ["SPINFER_DECODE"] = decode
     os.environ["SPINFER_MIN_BLOCKS"] = budget  # register budget of the sm_90 kernel at BN <= 16
     os.environ["SPINFER_COUNT_ROWS"] = count  # the producer warp counts the rows above (sm_90, BN <= 16)
+    os.environ["SPINFER_STAGGER"] = stagger  # the next stage after the first lands (sm_90, BN = 8)
     for dt in (torch.float16, torch.bfloat16):
         w = torch.randn(m, k, device="cuda").to(dt)
         w[torch.rand(m, k, device="cuda") < 0.5] = 0

@@ -166,6 +166,29 @@ def test_rows_above_counted_by_either_warp(monkeypatch, count_rows):
                           lambda plan: plan["bulk"] and plan["bn"] <= 16 and count_rows == "1")
 
 
+@pytest.mark.parametrize("stagger", ["0", "1"])
+def test_next_stage_requested_after_the_first_lands_or_with_it(monkeypatch, stagger):
+    """The sm_90 producer at BN = 8 requesting the ring's last stage once the first has landed, or
+    with it (SPINFER_STAGGER), gives the same bits, split and unsplit, with 2 and 3 stages, a stage
+    of a single GroupTile (1450 columns), blocks of one stage and a dense GroupTile among sparse
+    ones, and the float64 check holds; wider tiles and the row-counting producer ignore it, and the
+    plan says where it applies (the sm_90 loader, BN = 8, the producer not counting rows)."""
+    def reported(plan):
+        return plan["bulk"] and plan["bn"] == 8 and not plan["count_rows"] and stagger == "1"
+
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
+        w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
+        check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1, 8, 16, 32), "stagger", reported)
+    w = random_sparse((300, 1450), 0.5, torch.float16, device="cuda")
+    monkeypatch.setenv("SPINFER_STAGES", "3")
+    check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1, 16), "stagger", reported)
+    # 12 splits of 23 GroupTiles: blocks of a single stage (the helper's unsplit pass runs under
+    # it, then its 3-split pass)
+    monkeypatch.setenv("SPINFER_SPLITS", "12")
+    check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1,), "stagger", reported)
+
+
 def test_plan_reports_the_launch():
     """spmm_plan: the tile by N, the GroupTile grid, a forced split factor, and a default of the
     lean decode at every tile."""
@@ -188,6 +211,8 @@ def test_plan_reports_the_launch():
         # at least 60% of a GroupTile (spmm_smbd.cu)
         long_runs = 5 * p["value_cap"] >= 3 * 4096
         assert p["count_rows"] == (p["bulk"] and p["bn"] <= 16 and (p["bn"] == 16 or long_runs)), (n, p)
+        # the next stage waits for the first to land at BN = 8 where the producer does not count rows
+        assert p["stagger"] == (p["bulk"] and p["bn"] == 8 and not p["count_rows"]), (n, p)
     for sparsity, long_runs in ((0.3, True), (0.5, False), (0.8, False)):
         p = spmm_plan(TCABME.from_dense(random_sparse((128, 1024), sparsity, torch.float16, device="cuda")), 1)
         assert p["count_rows"] == (p["bulk"] and long_runs), (sparsity, p)

@@ -184,6 +184,7 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   a.value_cap = plan.value_cap;
   a.nvalues = p.values.numel();
   a.x_l1 = plan.x_l1;
+  a.stagger = plan.stagger;
   a.bf16 = bf16;
   C10_CUDA_CHECK(spmm_smbd_run(a, plan, at::cuda::getCurrentCUDAStream()));
 }
@@ -337,7 +338,7 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
                                     x.get_device(), static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
   return {p.bn, p.n_tiles, p.grid_m, p.grid_k, p.splits, p.k_per_split, p.stages, p.value_cap, p.smem_bytes,
           spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk, p.x_l1,
-          p.count_rows};
+          p.count_rows, p.stagger};
 }
 
 // The fused low-bit kernel's launch for x's N, dtype and device and an [m, k] weight of `bits` and

@@ -490,9 +490,15 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
         for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st, false);
         ptx::griddep_wait();  // x is the previous kernel's output
         for (int st = 0; st < S - 1 && st < np; ++st) issue_x(st, st);
-        if (kCount && np > 0) count_rows(0);
+        if (kCount && np > 0) count_rows(0);  // waits for stage 0
         for (int p = 0, ps = S - 1; p < np; ++p) {
           ptx::bar_sync_block();  // all warps are done with stage ps, which the prefetch overwrites
+          // stagger (BN = 8): stage S - 1 is requested once stage 0 has landed. All blocks of a
+          // one-wave grid start together, and with their first two stages requested at once each
+          // block's first landed 3-5 us after its start, the DRAM serving the second stages too.
+          // (kCount has waited for stage 0 already; wider tiles measured no gain from it.)
+          if constexpr (BN == 8 && !kCount)
+            if (p == 0 && args.stagger) ptx::mbarrier_wait_parity(&s_full[0], 0u);
           if (p + S - 1 < np) issue_bulk(ps, p + S - 1, true);
           if (++ps == S) ps = 0;
           if (kCount && p + 1 < np) count_rows(p + 1);  // its slot's counts were last read at step p + 1 - S

@@ -22,6 +22,7 @@ struct SpmmArgs {
   bool bf16;
   bool x_l1;                    // the activation copies go through L1 (SpmmPlan::x_l1)
   bool evict_first;             // bitmaps and values under L2's evict_first policy (set by the launch)
+  bool stagger;                 // the second stage waits for the first to land (SpmmPlan::stagger)
 };
 
 struct SpmmPlan {
@@ -51,6 +52,9 @@ struct SpmmPlan {
   bool x_l1;        // the sm_90 loader copies the activation slices through L1 (cp.async.ca), where
                     // a slice is at most half a stage's compressed weight bytes (spmm_smbd.cu);
                     // SPINFER_SPMM_XL1=0|1 overrides
+  bool stagger;     // the sm_90 producer requests a block's second stage once its first has landed:
+                    // at BN = 8 where it does not count rows (spmm_smbd.cu); SPINFER_STAGGER=0|1
+                    // overrides there
 };
 
 // Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:

@@ -89,7 +89,7 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
 
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
-               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows")
+               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger")
 
 
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -101,7 +101,9 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     occupancy calculator; 0 if unknown), the register budget (``min_blocks``: 9, 8 or 7 resident
     blocks' worth of registers for the sm_90 kernel at ``bn`` <= 16, else 0), the decode and
     loader variants, ``x_l1``: whether the sm_90 loader copies the activations through L1, and
-    ``count_rows``: whether its producer warp counts the bitmap rows above each decoding warp's.
+    ``count_rows``: whether its producer warp counts the bitmap rows above each decoding warp's,
+    and ``stagger``: whether it requests the ring's last stage only once a block's first has landed
+    (at ``bn`` = 8 where it does not count rows).
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)
@@ -121,6 +123,6 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     x = torch.empty((n, 1), dtype=dtype, device=device).expand(n, k)  # only N, dtype and device are read
     values = torch.ops.spinfer.spmm_plan(x, m, k, weight.max_run, splits)
     plan = dict(zip(PLAN_FIELDS, values))
-    for flag in ("lean", "bulk", "x_l1", "count_rows"):
+    for flag in ("lean", "bulk", "x_l1", "count_rows", "stagger"):
         plan[flag] = bool(plan[flag])
     return plan

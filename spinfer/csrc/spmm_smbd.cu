@@ -226,12 +226,12 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   p.x_l1 = p.bulk && 2 * x_bytes <= w_bytes;
   if (const char* env = std::getenv("SPINFER_SPMM_XL1")) p.x_l1 = p.bulk && env[0] == '1';
   // At BN = 8, where the producer does not count rows (which waits for the first stage anyway),
-  // it requests a block's second stage once the first has landed: every block asks for its first
-  // two stages at once, 8-11 MB for a one-wave grid, and its first stage landed 3.2-5.2 us after
-  // its start (docs/kernels.md, fifty-second session), the DRAM serving the second stages too.
+  // it requests a block's second stage once the first has landed. Blocks that asked for both at
+  // once (8-11 MB for a one-wave grid) saw their first land 3.2-5.2 us after their start, the DRAM
+  // serving everyone's second stage in the same queue (docs/kernels.md, fifty-second session).
   // H100, same process, least of 3 rounds, seven layers x N = 1 / 8 (fifty-third session), three
-  // leases: 70% sparsity +0.2 to +0.9%, 50% +0.5 to +1.0% (4096x4096 N = 1 15.6 -> 15.0 us); at
-  // N = 32 / 64 it measured level, so wider tiles keep their code. SPINFER_STAGGER=0|1 overrides
+  // leases: 70% sparsity +0.4 to +0.9%, 50% +0.8 to +1.0% (4096x4096 N = 1 15.6 -> 15.0 us); at
+  // N = 16 / 32 / 64 it measured level, so wider tiles keep their code. SPINFER_STAGGER=0|1 overrides
   // (A/B runs, tests; BN = 8 without the count only).
   const bool staggers = p.bulk && p.bn == 8 && !p.count_rows;
   p.stagger = staggers;

@@ -170,17 +170,26 @@ def test_rows_above_counted_by_either_warp(monkeypatch, count_rows):
 def test_next_stage_requested_after_the_first_lands_or_with_it(monkeypatch, stagger):
     """The sm_90 producer at BN = 8 requesting the ring's last stage once the first has landed, or
     with it (SPINFER_STAGGER), gives the same bits, split and unsplit, with 2 and 3 stages, a stage
-    of a single GroupTile (1450 columns), blocks of one stage and a dense GroupTile among sparse
-    ones, and the float64 check holds; wider tiles and the row-counting producer ignore it, and the
-    plan says where it applies (the sm_90 loader, BN = 8, the producer not counting rows)."""
+    of a single GroupTile (1450 columns), blocks of one stage and a dense row, and the float64 check
+    holds; wider tiles and the row-counting producer (here made to count by a dense GroupTile)
+    ignore it, and the plan says where it applies (the sm_90 loader, BN = 8, the producer not
+    counting rows). The weights are checked to take the stagger's path where it applies."""
     def reported(plan):
         return plan["bulk"] and plan["bn"] == 8 and not plan["count_rows"] and stagger == "1"
 
+    bulk = spmm_plan(TCABME.from_dense(random_sparse((64, 64), 0.5, torch.float16, device="cuda")), 1)["bulk"]
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
+        w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
+        # runs well under 60% of a GroupTile: the producer does not count rows, so at N <= 8 the
+        # stagger is what runs (a dense GroupTile would make it count rows, and skip the stagger)
+        assert spmm_plan(TCABME.from_dense(w), 1, dtype=dtype)["count_rows"] is False
+        check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1, 5, 8, 16, 32), "stagger", reported)
         w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
-        check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1, 8, 16, 32), "stagger", reported)
+        assert spmm_plan(TCABME.from_dense(w), 1, dtype=dtype)["count_rows"] is bulk
+        check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1, 8), "stagger", reported)
     w = random_sparse((300, 1450), 0.5, torch.float16, device="cuda")
+    assert spmm_plan(TCABME.from_dense(w), 1)["count_rows"] is False  # the stagger runs at N = 1
     monkeypatch.setenv("SPINFER_STAGES", "3")
     check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1, 16), "stagger", reported)
     # 12 splits of 23 GroupTiles: blocks of a single stage (the helper's unsplit pass runs under

@@ -1,6 +1,7 @@
 """Small and odd launches for compute-sanitizer (memcheck, racecheck, synccheck): SpMM with
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
-variants, the three register budgets, the rows above counted by the producer warp or by each warp, the next stage requested after the
+variants, the three register budgets, the rows above counted by the producer warp, by each warp or read
+from the weight's row table (also a corrupt one), the next stage requested after the
 first has landed or with it, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
@@ -40,6 +41,8 @@ for m, k, n, splits, stages, decode, budget, count, stagger in [
         off = enc.gtile_offset.clone()
         off[1] = 2**31 - 1  # corrupt on purpose: must stay in bounds
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, m, k, 64, 64, enc.max_run)
+        garbage = torch.randint(-32768, 32767, enc.row_offset.shape, dtype=torch.int16, device="cuda")
+        torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, m, k, 64, 64, enc.max_run, None, 0, garbage)
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, 8)  # too small
 from spinfer.quant import LowBitWeight  # noqa: E402
 

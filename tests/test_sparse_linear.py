@@ -48,7 +48,9 @@ def test_auto_picks_by_predicted_cost_and_stores_one_format():
     # faster format
     assert SparseLinear.from_linear(pruned_linear(4096, 4096, 0.7)).format == "tca-bme"
     assert SparseLinear.from_linear(pruned_linear(1024, 4096, 0.7)).format == "dense"
-    assert {n for n, _ in big.named_buffers()} == {"bitmap", "values", "gtile_offset", "bias"}
+    # the row table is derived from the bitmap: held (8 B a GroupTile, counted in the memory) but not saved
+    assert {n for n, _ in big.named_buffers()} == {"bitmap", "values", "gtile_offset", "row_offset", "bias"}
+    assert "row_offset" not in big.state_dict()
     assert big.compression_ratio == pytest.approx(1.77, abs=0.02)
     dense = SparseLinear.from_linear(pruned_linear(1024, 1024, 0.0))
     assert dense.format == "dense"  # no sparsity: the bitmap would only add bytes
@@ -84,6 +86,7 @@ def test_state_dict_round_trip_and_mismatch():
     b.load_state_dict(a.state_dict())
     x = torch.randn(4, 500).half()
     assert torch.equal(a(x), b(x))
+    assert torch.equal(b.row_offset, a.row_offset)  # the row table follows the loaded bitmap
     c = SparseLinear.from_linear(pruned_linear(300, 500, 0.5), policy="dense")
     with pytest.raises(ValueError, match="tca-bme 300x500"):
         c.load_state_dict(a.state_dict())

@@ -46,6 +46,8 @@ def test_opcheck_schema_and_fake():
     args = (x, enc.bitmap, enc.values, enc.gtile_offset, 70, 90, 64, 64, enc.max_run, None)
     torch.library.opcheck(torch.ops.spinfer.spmm.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.spinfer.spmm.default, (*args, 0, enc.row_offset),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_fullgraph():
@@ -90,6 +92,17 @@ def test_op_called_directly_validates_arrays(enc):
     x = torch.randn(2, 50).half()
     with pytest.raises(ValueError, match="gtile_offset|GroupTile"):
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, 40, 50, 64, 64, 4096)
+
+
+def test_op_checks_the_row_table_it_is_given(enc):
+    """The row table is optional; one of the wrong dtype or shape is refused, as on CUDA."""
+    x = torch.randn(2, 50).half()
+    args = (x, enc.bitmap, enc.values, enc.gtile_offset, 40, 50, 64, 64, enc.max_run, None, 0)
+    assert torch.equal(torch.ops.spinfer.spmm(*args, enc.row_offset), torch.ops.spinfer.spmm(*args))
+    with pytest.raises(TypeError, match="row_offset"):
+        torch.ops.spinfer.spmm(*args, enc.row_offset.int())
+    with pytest.raises(ValueError, match="row_offset"):
+        torch.ops.spinfer.spmm(*args, enc.row_offset.reshape(-1))
 
 
 def test_op_refuses_a_max_run_below_the_longest_run(enc):

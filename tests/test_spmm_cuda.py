@@ -18,12 +18,13 @@ pytestmark = pytest.mark.cuda
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def spmm_poisoned(x, enc, bias=None):
-    """Run the op into a NaN-filled buffer; every element must be overwritten."""
+def spmm_poisoned(x, enc, bias=None, row_table=True):
+    """Run the op into a NaN-filled buffer; every element must be overwritten. row_table: pass the
+    weight's row table, as spinfer.spmm does (without it the kernel counts the rows above)."""
     m, k = enc.shape
     out = torch.full((x.shape[0], m), float("nan"), dtype=x.dtype, device=x.device)
-    torch.ops.spinfer.spmm_out(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, enc.max_run, bias,
-                               out=out)
+    torch.ops.spinfer.spmm_out(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, enc.max_run, bias, 0,
+                               enc.row_offset if row_table else None, out=out)
     assert not bool(out.isnan().any()), "kernel left output elements unwritten"
     return out
 
@@ -196,6 +197,55 @@ def test_next_stage_requested_after_the_first_lands_or_with_it(monkeypatch, stag
     # it, then its 3-split pass)
     monkeypatch.setenv("SPINFER_SPLITS", "12")
     check_forced_flag(monkeypatch, "STAGGER", stagger, w, (1,), "stagger", reported)
+
+
+@pytest.mark.parametrize("row_table", ["0", "1"])
+def test_rows_above_read_from_the_table_or_counted(monkeypatch, row_table):
+    """The decoding warps reading the rows above their own from the weight's row table, or
+    counting them (SPINFER_ROW_TABLE), give the same bits at BN = 8 and (with the producer's count
+    off) 16, split and unsplit, with 2 and 3 stages, stages of a single GroupTile and a dense row,
+    fp16 and bf16, and the float64 check holds. The plan reports the table where it applies (the
+    lean sm_90 kernel at BN <= 16 with 56 registers, the producer not counting rows)."""
+    def reported(plan):
+        return (plan["bulk"] and plan["bn"] <= 16 and plan["min_blocks"] == 7 and not plan["count_rows"]
+                and row_table == "1")
+
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
+        w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
+        assert spmm_plan(TCABME.from_dense(w), 1, dtype=dtype)["count_rows"] is False
+        check_forced_flag(monkeypatch, "ROW_TABLE", row_table, w, (1, 5, 8, 32), "row_table", reported)
+        monkeypatch.setenv("SPINFER_COUNT_ROWS", "0")  # BN = 16 without the producer's count
+        check_forced_flag(monkeypatch, "ROW_TABLE", row_table, w, (9, 16), "row_table", reported)
+        monkeypatch.delenv("SPINFER_COUNT_ROWS")
+    w = random_sparse((300, 1450), 0.7, torch.float16, device="cuda")
+    monkeypatch.setenv("SPINFER_STAGES", "3")
+    check_forced_flag(monkeypatch, "ROW_TABLE", row_table, w, (1, 8), "row_table", reported)
+    monkeypatch.setenv("SPINFER_SPLITS", "12")  # 12 splits of 23 GroupTiles: blocks of one stage
+    check_forced_flag(monkeypatch, "ROW_TABLE", row_table, w, (1,), "row_table", reported)
+
+
+def test_row_table_optional_and_untrusted():
+    """A direct call without the row table counts the rows above (same bits as with it); a table
+    of the wrong shape or dtype is refused before the launch; a corrupt table gives wrong results
+    and never an out-of-range access (the decode clamps every prefix to its run), and the next
+    launch is right again."""
+    w = random_sparse((640, 1024), 0.7, torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+    x = torch.randn(3, 1024, device="cuda").half()
+    assert spmm_plan(enc, 3)["row_table"] == spmm_plan(enc, 3)["bulk"]
+    with_table = spmm_poisoned(x, enc)
+    assert torch.equal(with_table, spmm_poisoned(x, enc, row_table=False))
+    assert torch.equal(with_table, spinfer.spmm(x, enc))
+    m, k = enc.shape
+    args = (x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, enc.max_run, None, 0)
+    for bad in (enc.row_offset.int(), enc.row_offset[:-1], enc.row_offset.reshape(-1)):
+        with pytest.raises((TypeError, ValueError), match="row_offset"):
+            torch.ops.spinfer.spmm(*args, bad)
+    garbage = torch.randint(-32768, 32767, enc.row_offset.shape, dtype=torch.int16, device="cuda")
+    torch.ops.spinfer.spmm(*args, garbage)
+    torch.cuda.synchronize()
+    assert torch.equal(spinfer.spmm(x, enc), with_table)
 
 
 def test_plan_reports_the_launch():

@@ -148,3 +148,22 @@ def test_cuda_encoding_gives_the_same_arrays(dtype):
     assert torch.equal(bits(gpu.to_dense().cpu()), bits(w))
     gpu.validate()
     assert math.isclose(cpu.compression_ratio, gpu.compression_ratio)
+
+
+@pytest.mark.parametrize("group_tile", [(64, 64), (128, 64)])
+def test_row_table_counts_the_rows_above(group_tile):
+    """TCABME.row_offset: for every GroupTile, the stored elements of its TCTile rows above each
+    row, counted here from the dense pattern; made on construction, moved with the weight, not
+    saved, and rebuilt on load."""
+    w = random_sparse((300, 200), 0.6, torch.float16)
+    w[5, :] = torch.randn(200).half()  # a dense row
+    enc = TCABME.from_dense(w, group_tile)
+    gt_h, gt_w = group_tile
+    mp, kp = enc.geometry.padded_shape
+    stored = torch.nn.functional.pad(w, (0, kp - 200, 0, mp - 300)).view(torch.int16) != 0
+    per_row = stored.reshape(mp // gt_h, gt_h // 16, 16, kp // gt_w, gt_w).sum((2, 4))  # [gm, rows, gk]
+    want = (per_row.cumsum(1) - per_row).permute(0, 2, 1).reshape(-1, gt_h // 16)
+    assert enc.row_offset.dtype == torch.int16 and torch.equal(enc.row_offset.long(), want)
+    assert torch.equal(enc.to("cpu").row_offset, enc.row_offset)
+    assert "row_offset" not in enc.state_dict()
+    assert torch.equal(TCABME.from_state_dict(enc.state_dict()).row_offset, enc.row_offset)

@@ -156,8 +156,23 @@ Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const 
   return p;
 }
 
+// The weight's row table (TCABME.row_offset), checked for the kernel's 8-byte copies of its
+// entries, or an undefined tensor where the caller has none. Its values are not trusted: the decode
+// clamps every prefix to its run, so a wrong table gives wrong results, never an out-of-range read.
+at::Tensor check_row_table(const std::optional<at::Tensor>& row_offset, const at::Tensor& gtile_offset) {
+  if (!row_offset) return at::Tensor();
+  const at::Tensor& t = *row_offset;
+  const int64_t ngt = gtile_offset.numel() - 1;
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kShort, "row_offset must be int16, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == ngt && t.size(1) == kGt / 16, "row_offset must have shape [", ngt,
+                    ", ", kGt / 16, "], got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == gtile_offset.device(), "row_offset is on ", t.device(), " but the weight is on ",
+                    gtile_offset.device());
+  return aligned16(t);
+}
+
 void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t max_run,
-         const std::optional<at::Tensor>& bias, int64_t splits, at::Tensor& y) {
+         const std::optional<at::Tensor>& bias, int64_t splits, const at::Tensor& table, at::Tensor& y) {
   const int64_t n = p.x.size(0);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(p.x.device());
@@ -165,7 +180,7 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
   const SpmmPlan plan =
       spmm_smbd_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.kp), cap, bf16, p.x.get_device(),
-                     static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
+                     static_cast<int>(std::min<int64_t>(splits, INT32_MAX)), table.defined());
   const SplitK split(plan.splits, plan.workspace_floats, plan.counters, p.x.options());
   at::Tensor offsets = gtile_offset.contiguous();
   at::Tensor b = bias ? bias->contiguous() : at::Tensor();
@@ -174,6 +189,7 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   a.bitmap = p.bitmap.data_ptr<int64_t>();
   a.values = p.values.data_ptr();
   a.gtile_offset = offsets.data_ptr<int32_t>();
+  a.row_offset = table.defined() ? table.data_ptr<int16_t>() : nullptr;
   a.bias = bias ? b.data_ptr() : nullptr;
   a.y = y.data_ptr();
   a.workspace = split.workspace_ptr();
@@ -191,19 +207,22 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
 
 at::Tensor spmm_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                      const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
-                     int64_t max_run, const std::optional<at::Tensor>& bias, int64_t splits) {
+                     int64_t max_run, const std::optional<at::Tensor>& bias, int64_t splits,
+                     const std::optional<at::Tensor>& row_offset) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm (CUDA) got x on ", x.device());
   TORCH_CHECK_VALUE(splits >= 0, "splits must be >= 0 (0: the planner's choice), got ", splits);
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
   TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && p.kp <= INT32_MAX, "shape too large");
+  const at::Tensor table = check_row_table(row_offset, gtile_offset);
   at::Tensor y = at::empty({x.size(0), m}, x.options());
-  run(p, gtile_offset, m, max_run, bias, splits, y);
+  run(p, gtile_offset, m, max_run, bias, splits, table, y);
   return y;
 }
 
 void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tensor& values,
                    const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w,
-                   int64_t max_run, const std::optional<at::Tensor>& bias, int64_t splits, at::Tensor& out) {
+                   int64_t max_run, const std::optional<at::Tensor>& bias, int64_t splits,
+                   const std::optional<at::Tensor>& row_offset, at::Tensor& out) {
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm_out (CUDA) got x on ", x.device());
   TORCH_CHECK_VALUE(splits >= 0, "splits must be >= 0 (0: the planner's choice), got ", splits);
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
@@ -212,7 +231,7 @@ void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tens
   TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", out.scalar_type(), " but x is ",
                    x.scalar_type());
   TORCH_CHECK_VALUE(out.device() == x.device(), "out is on ", out.device(), " but x is on ", x.device());
-  run(p, gtile_offset, m, max_run, bias, splits, out);
+  run(p, gtile_offset, m, max_run, bias, splits, check_row_table(row_offset, gtile_offset), out);
 }
 
 // The packed low-bit arrays of an [m, k] weight (spinfer/quant/lowbit.py layout), checked for the
@@ -335,10 +354,11 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
   const int cap = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(max_run, kGt * kGt)));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const SpmmPlan p = spmm_smbd_plan(static_cast<int>(m), static_cast<int>(x.size(0)), static_cast<int>(kp), cap, bf16,
-                                    x.get_device(), static_cast<int>(std::min<int64_t>(splits, INT32_MAX)));
+                                    x.get_device(), static_cast<int>(std::min<int64_t>(splits, INT32_MAX)),
+                                    /*row_table=*/true);  // spinfer.spmm passes every weight's table
   return {p.bn, p.n_tiles, p.grid_m, p.grid_k, p.splits, p.k_per_split, p.stages, p.value_cap, p.smem_bytes,
           spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk, p.x_l1,
-          p.count_rows, p.stagger};
+          p.count_rows, p.stagger, p.row_table};
 }
 
 // The fused low-bit kernel's launch for x's N, dtype and device and an [m, k] weight of `bits` and

@@ -50,6 +50,11 @@ __device__ __forceinline__ void cp_async_ca_16(uint32_t smem_dst, const void* gm
                : "memory");
 }
 
+// 8-byte global->shared async copy through L1 (.ca: the only form for sizes below 16).
+__device__ __forceinline__ void cp_async_ca_8(uint32_t smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_dst), "l"(gmem_src) : "memory");
+}
+
 // 4-byte global->shared async copy through L1 (.ca: the only form for sizes below 16); zero
 // fill when `valid` is false, as above.
 __device__ __forceinline__ void cp_async_ca_4(uint32_t smem_dst, const void* gmem_src, bool valid = true) {

@@ -46,7 +46,8 @@ struct ResidentF {
 // Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
 // dtype, variant (loader, decode, row count), shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
-  const std::array<int, 6> key{device, bf16, p.bn, p.bulk * 2 + p.lean + 4 * p.count_rows, p.min_blocks, p.smem_bytes};
+  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table;
+  const std::array<int, 6> key{device, bf16, p.bn, variant, p.min_blocks, p.smem_bytes};
   return asked_once(key, [&] { return by_tile<ResidentF>(p.bn, &p, bf16); });
 }
 
@@ -138,7 +139,8 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   const int fixed = std::max(0, env_int("SPINFER_SPLIT_FIXED", 40));     // tenths of a GroupTile (A/B runs)
   const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p)));  // tenths of a block per SM
   static std::map<std::array<int, 14>, int> cache;
-  const std::array<int, 14> key{device, bf16, p.bn, p.bulk * 2 + p.lean + 4 * p.count_rows, p.min_blocks, p.stages, p.value_cap,
+  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table;
+  const std::array<int, 14> key{device, bf16, p.bn, variant, p.min_blocks, p.stages, p.value_cap,
                                 p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed, cap};
   {
     const std::lock_guard<std::mutex> lock(mutex);
@@ -157,7 +159,8 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
 }  // namespace
 }  // namespace smbd
 
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device, int splits_wanted) {
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device, int splits_wanted,
+                        bool row_table) {
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
@@ -206,6 +209,16 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // overrides (the lean sm_90 kernel at BN <= 16).
   p.count_rows = budgets && (p.bn == 16 || p.value_cap * 5 >= kMaxValues * 3);
   if (const char* env = std::getenv("SPINFER_COUNT_ROWS")) p.count_rows = budgets && env[0] == '1';
+  // Where the producer does not count the rows above (BN = 8 above ~40% sparsity), the decoding
+  // warps read them from the weight's row table (TCABME.row_offset, copied with each stage)
+  // instead of counting three rows of both GroupTiles every stage: the BN = 8 stage 408 -> 387
+  // instructions. A probe on H100 (fifty-fourth session, docs/kernels.md) measured 70% sparsity
+  // +3.3% and 50% +1.2-2.0% at N <= 8. Where the producer counts (and so waits for the stage
+  // before the barrier) the count measured faster than the table, so those keep it. At BN = 32 / 64
+  // the table variant compiled to no shorter a stage (484 against 483, 551 against 555), so only
+  // the default register budget at BN <= 16 has it. SPINFER_ROW_TABLE=0 turns it off.
+  p.row_table = row_table && budgets && p.lean && !p.count_rows && p.min_blocks == 7 &&
+                env_int("SPINFER_ROW_TABLE", 1) != 0;
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);

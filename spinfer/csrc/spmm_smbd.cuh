@@ -70,6 +70,13 @@ static_assert(kPackStride >= 16 && kPackPerGt >= kPackStride + 16 && kPackPerGt 
               "the four 16-pair pieces of a warp's pairs must not overlap");
 static_assert(kPackStride * 8 % 128 == 64 && kPackPerGt * 8 % 16 == 0, "halves 64 B off the bank row, 16 B aligned");
 
+// A GroupTile's entry of the weight's row table (TCABME.row_offset): the set bits of its TCTile
+// rows above each of its 4 rows, 4 x int16. The producer's lanes copy a stage's two entries into a
+// static array beside the mbarriers (SpmmPlan::row_table): 16 bytes more in each stage's buffer
+// made ptxas spill in the 40-register variant. Any value is safe to read: it only moves a warp's
+// start in the run, which the decode clamps.
+constexpr int kTableBytes = 8;
+
 // Shared memory of one block: `stages` stages, each holding two bitmaps (1 KB), a value buffer
 // for two runs and one x slice [x_rows][kXStride]; then the GroupTile offsets of the block and
 // its stage table (stage_pair, 8 bytes per GroupTile pair). The
@@ -257,11 +264,13 @@ __device__ __forceinline__ uint32_t rows_above(const uint32_t* bm32, int row, in
 // Decodes and multiplies this warp's TCTile row of the stage's GroupTiles (one or two).
 //   bm32: the stage's bitmaps as 2 x 128 half-words; vals: the two runs, the second at the
 //   split of `pr` (stage_pair; kValueSlack readable elements past both); above: rows_above for
-//   this warp's row where the producer warp counted it (kCounted), else it is counted here; pack:
+//   this warp's row where the producer warp counted it (kCounted); table: the shared address of
+//   this row's field in the stage's row-table entries (kTable); else it is counted here; pack:
 //   2 x kPackPerGt pairs (the second GroupTile's at kPackPerGt).
-template <bool kBF16, int BN, bool kLean, bool kCounted>
+template <bool kBF16, int BN, bool kLean, bool kCounted, bool kTable>
 __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const uint2 pr,
-                                             const uint32_t* above, const uint32_t (&xa)[BN / 8], uint2* pack,
+                                             const uint32_t* above, uint32_t table, const uint32_t (&xa)[BN / 8],
+                                             uint2* pack,
                                              int warp, int lane, uint32_t to_top, float (&acc)[BN / 8][4]) {
   // Exclusive PopCount prefix of every 32-bit half-word of this warp's 16 words, relative to
   // its run, for both GroupTiles at once: the two counts travel packed in 16-bit fields (at
@@ -270,6 +279,8 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
   uint32_t before;
   if constexpr (kCounted)
     before = *above;
+  else if constexpr (kTable)  // this row's entries of the stage's row table, GroupTile 0's and 1's
+    before = ptx::lds_u16(table) + ptx::lds_u16(table + kTableBytes) * 65536u;
   else
     before = rows_above(bm32, warp, lane);
   const uint32_t cnt = __popc(h1) * 65536u + __popc(h0);
@@ -317,8 +328,10 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // mbarrier and issues cp.async.bulk copies of the bitmaps and the value runs; the producer's
 // lanes copy the x rows with cp.async and arrive when they land. Otherwise (sm_80): every
 // thread issues 16-byte cp.async and groups are counted. kCount (SpmmPlan::count_rows): the
-// producer warp also counts the bitmap rows above each decoding warp's (rows_above).
-template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false>
+// producer warp also counts the bitmap rows above each decoding warp's (rows_above). kTable
+// (SpmmPlan::row_table): the decoding warps read them from the weight's row table instead.
+template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false,
+          bool kTable = false>
 __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
                      const int n_stages) {
@@ -329,11 +342,13 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 #endif
   {
     static_assert(!kCount || (kBulk && BN <= 16), "the producer counts rows for the sm_90 loader at BN <= 16");
+    static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
     using L = Layout<BN>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ __align__(8) uint64_t s_full[kMaxStages];  // bulk: the stage's bytes have landed
+    __shared__ __align__(16) uint16_t s_table[kTable ? kMaxStages : 1][kPair * kTableBytes / 2];  // row-table entries
     __shared__ __align__(16) uint2 s_pack[kWarps][kPair * kPackPerGt];
     // kCount: rows_above of each stage's TCTile rows, counted once by the producer warp
     __shared__ uint32_t s_above[kCount ? kMaxStages : 1][kWarps];
@@ -393,6 +408,10 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
           dst += kRowStep * kXStride * 2;
         }
       }
+      if constexpr (kTable)  // the stage's GroupTiles' row-table entries, one lane each
+        if (lane < gts)
+          ptx::cp_async_ca_8(ptx::smem_addr(s_table[stage]) + kTableBytes * lane,
+                             args.row_offset + 4 * (first_gtile + kPair * p + lane));
       ptx::cp_async_mbarrier_arrive_noinc(&s_full[stage]);
     };
     auto issue_bulk = [&](int stage, int p, bool with_x) {
@@ -454,9 +473,10 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
       uint32_t xa[BN / 8];
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) xa[nb] = ptx::smem_addr(st) + x_lane[nb];
-      decode_stage<kBF16, BN, kLean, kCount>(reinterpret_cast<const uint32_t*>(st),
-                                             reinterpret_cast<const uint16_t*>(st + L::kValueOffset), s_pairs[p],
-                                             &s_above[stage][warp], xa, s_pack[warp], warp, lane, to_top, acc);
+      decode_stage<kBF16, BN, kLean, kCount, kTable>(
+          reinterpret_cast<const uint32_t*>(st), reinterpret_cast<const uint16_t*>(st + L::kValueOffset), s_pairs[p],
+          &s_above[stage][warp], ptx::smem_addr(s_table[kTable ? stage : 0]) + 2u * warp, xa, s_pack[warp], warp, lane,
+          to_top, acc);
     };
 
     // Stage p is consumed while stages p+1 .. p+S-1 are in flight; the prefetch at step p
@@ -562,6 +582,7 @@ auto kernel_for(const SpmmPlan& plan) {
   if (!plan.bulk) return plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true> : spmm_smbd_kernel<kBF16, BN, false, false>;
   if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
   if constexpr (BN <= 16) {
+    if (plan.row_table && plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true>;
     if (plan.count_rows) {
       if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8, true>;
       if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true>;

@@ -12,6 +12,8 @@ struct SpmmArgs {
   const int64_t* bitmap;        // [grid_m * grid_k * 64] BitmapTile words (uint64 patterns)
   const void* values;           // [nvalues] GroupTile runs, 16-byte aligned
   const int32_t* gtile_offset;  // [grid_m * grid_k + 1]
+  const int16_t* row_offset;    // [grid_m * grid_k, 4]: set bits of each GroupTile's TCTile rows above
+                                // each row (TCABME.row_offset), or nullptr (SpmmPlan::row_table)
   const void* bias;             // [m] or nullptr
   void* y;                      // [n, m]
   float* workspace;             // split-K partial tiles (plan.workspace_floats), or nullptr
@@ -52,6 +54,10 @@ struct SpmmPlan {
   bool x_l1;        // the sm_90 loader copies the activation slices through L1 (cp.async.ca), where
                     // a slice is at most half a stage's compressed weight bytes (spmm_smbd.cu);
                     // SPINFER_SPMM_XL1=0|1 overrides
+  bool row_table;   // the decoding warps read the rows above their own from the weight's row table
+                    // (SpmmArgs::row_offset, copied with each stage) instead of counting them: the
+                    // lean sm_90 kernel where the producer does not count rows (spmm_smbd.cu);
+                    // SPINFER_ROW_TABLE=0 turns it off
   bool stagger;     // the sm_90 producer requests a block's second stage once its first has landed:
                     // at BN = 8 where it does not count rows (spmm_smbd.cu); SPINFER_STAGGER=0|1
                     // overrides there
@@ -65,7 +71,8 @@ struct SpmmPlan {
 // SPINFER_LOADER=cp_async the loader.
 // max_run is the weight's longest GroupTile run (TCABME.max_run); SPINFER_VALUE_CAP overrides
 // the value buffer size (for A/B runs; a value below max_run truncates runs).
-SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device, int splits);
+// row_table: the launch has the weight's row table (SpmmArgs::row_offset).
+SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device, int splits, bool row_table);
 
 // Blocks of the plan's kernel that fit on one SM of `device` at its shared memory (CUDA's
 // occupancy calculator, cached), 0 where the query fails. For reports (spinfer::spmm_plan); a

@@ -135,6 +135,29 @@ def _gtile_counts(bitmap: torch.Tensor, num_group_tiles: int) -> torch.Tensor:
     return popcount64(bitmap).reshape(num_group_tiles, -1).sum(1)
 
 
+def row_offsets(bitmap: torch.Tensor, geom: Geometry) -> torch.Tensor:
+    """int16 ``[NGT, gt_h / 16]``: for each GroupTile, the stored elements of its TCTile rows above
+    each row (0 for the first). The CUDA kernel reads a decoding warp's start in the GroupTile's
+    run from it instead of counting the rows above every stage (docs/kernels.md). Derived from the
+    bitmap, so it is made, moved and dropped with the weight and never saved."""
+    rows = geom.gt_h // 16
+    per_row = popcount64(bitmap).reshape(geom.num_group_tiles, rows, -1).sum(-1)
+    above = torch.cumsum(per_row, 1) - per_row  # at most (gt_h - 16) * gt_w: 16 bits for 64x64 and 128x128
+    return above.to(torch.int16)
+
+
+def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry) -> None:
+    """A row table passed beside the arrays has :func:`row_offsets`' dtype, shape and device."""
+    if row_offset is None:
+        return
+    want = (geom.num_group_tiles, geom.gt_h // 16)
+    if not isinstance(row_offset, torch.Tensor) or row_offset.dtype != torch.int16:
+        got = row_offset.dtype if isinstance(row_offset, torch.Tensor) else type(row_offset).__name__
+        raise TypeError(f"row_offset must be an int16 tensor, got {got}")
+    if tuple(row_offset.shape) != want:
+        raise ValueError(f"row_offset must have shape {want}, got {tuple(row_offset.shape)}")
+
+
 def encode(weight: torch.Tensor, group_tile=DEFAULT_GROUP_TILE):
     """Encode a dense ``[M, K]`` fp16/bf16 weight; returns ``(bitmap, values, gtile_offset)``."""
     check_weight(weight)
@@ -300,6 +323,7 @@ class TCABME:
         *,
         validate: bool = True,
         max_run: Optional[int] = None,
+        row_offset: Optional[torch.Tensor] = None,
     ):
         try:
             m, k = (int(v) for v in shape)
@@ -322,6 +346,9 @@ class TCABME:
                 raise ValueError(f"max_run={max_run} does not match the longest GroupTile run ({actual})")
             max_run = actual
         self._max_run = int(max_run)
+        # The kernel's row table: made here unless the caller kept it (a module rebuilding its
+        # weight from buffers, where a compiled graph must not recompute it every call).
+        self.row_offset = row_offsets(bitmap, self.geometry) if row_offset is None else row_offset
 
     # construction -------------------------------------------------------------------
     @classmethod

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from ..format import TCABME
+from ..format.tca_bme import Geometry, row_offsets, validate_arrays
 from ..ops import lowbit_mm, spmm
 from ..ops.lowbit_mm import fused_max_n
 from ..quant import LowBitWeight
@@ -45,6 +46,9 @@ class SparseLinear(nn.Module):
             self.register_buffer("bitmap", weight.bitmap)
             self.register_buffer("values", weight.values)
             self.register_buffer("gtile_offset", weight.gtile_offset)
+            # Derived from the bitmap, not saved: kept so a rebuilt weight object (under
+            # torch.compile too) does not recompute it; _load_from_state_dict remakes it.
+            self.register_buffer("row_offset", weight.row_offset, persistent=False)
             self._aux = (*weight.group_tile, weight.max_run, weight.nnz)
         elif isinstance(weight, LowBitWeight):
             self.format = "lowbit"
@@ -129,7 +133,7 @@ class SparseLinear(nn.Module):
             if self.format == "tca-bme":
                 gt_h, gt_w, max_run, nnz = self._aux
                 obj = TCABME(self.bitmap, self.values, self.gtile_offset, (self.out_features, self.in_features),
-                             (gt_h, gt_w), validate=False, max_run=max_run)
+                             (gt_h, gt_w), validate=False, max_run=max_run, row_offset=self.row_offset)
                 obj._nnz = nnz
             elif self.format == "lowbit":
                 bits, g = self._aux[:2]
@@ -292,7 +296,11 @@ class SparseLinear(nn.Module):
         self._weight_obj = None
         self._choices = {}
         if self.format == "tca-bme" and not error_msgs:
-            self.weight_object().validate()  # untrusted arrays
+            # the row table follows the loaded bitmap (row_offsets checks nothing: validate first)
+            gt_h, gt_w = self._aux[:2]
+            geom = Geometry(self.out_features, self.in_features, gt_h, gt_w)
+            validate_arrays(self.bitmap, self.values, self.gtile_offset, geom)  # untrusted arrays
+            self.row_offset = row_offsets(self.bitmap, geom)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "

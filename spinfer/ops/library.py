@@ -11,13 +11,16 @@ LIB = torch.library.Library("spinfer", "DEF")
 
 _SPMM_ARGS = (
     "Tensor x, Tensor bitmap, Tensor values, Tensor gtile_offset, "
-    "int m, int k, int gt_h, int gt_w, int max_run, Tensor? bias=None, int splits=0"
+    "int m, int k, int gt_h, int gt_w, int max_run, Tensor? bias=None, int splits=0, Tensor? row_offset=None"
 )
 # max_run: the longest GroupTile value run (TCABME.max_run); the CUDA kernel sizes its
 # shared-memory value buffers by it. A value below the true maximum is refused on the CPU and,
 # on CUDA, truncates runs (wrong results, never an out-of-bounds access).
 # splits: the CUDA kernel's split-K factor, 0 for its planner's choice (spinfer/tuning.py tunes
 # it per shape and N); the result is the same up to fp32 summation order. The CPU ignores it.
+# row_offset: the weight's row table (TCABME.row_offset, int16 [NGT, gt_h / 16]); the CUDA kernel
+# reads each warp's start in a GroupTile's run from it instead of counting (without it, it counts).
+# Wrong values give wrong results on CUDA, never an out-of-range read; the CPU checks its shape.
 LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")
 # Writes into a caller-provided [N, M] buffer: static buffers for CUDA graphs, and tests that
 # poison the output before the launch.

@@ -13,23 +13,24 @@ from typing import Optional
 import torch
 
 from .. import build, tuning
-from ..format.tca_bme import TCABME, Geometry, check_structure, decode, longest_run, validate_arrays
+from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, decode, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
 from .linear_input import check_op_inputs, check_out, check_splits, flatten_input
 
 
 @torch.library.register_fake("spinfer::spmm")
-def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0):
+def _spmm_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, row_offset=None):
     check_op_inputs(x, values, m, k, bias)
     if x.device.type == "cuda":
         build.load_extension()  # a compiled graph calls the op directly: have its kernel ready
     return x.new_empty((x.shape[0], m))
 
 
-def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0):
+def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, row_offset=None):
     geom = Geometry(m, k, gt_h, gt_w)
     # The arrays may come from anywhere when the op is called directly: check them fully.
     validate_arrays(bitmap, values, gtile_offset, geom)
+    check_row_table(row_offset, geom)
     longest = longest_run(gtile_offset)
     if max_run < longest:
         raise ValueError(f"max_run={max_run} is below the longest GroupTile run ({longest})")
@@ -42,14 +43,16 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
 
 
 @torch.library.register_fake("spinfer::spmm_out")
-def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, *, out):
+def _spmm_out_fake(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, row_offset=None,
+                   *, out):
     check_op_inputs(x, values, m, k, bias)
     check_out(out, x, m)
 
 
-def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, *, out):
+def _spmm_out_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=None, splits=0, row_offset=None,
+                  *, out):
     check_out(out, x, m)
-    out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias))
+    out.copy_(_spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias, splits, row_offset))
 
 
 # The decorator form would rebind these names to None; register them explicitly so the
@@ -82,14 +85,15 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
     if splits is None:
         splits = tuning.spmm_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
     y = torch.ops.spinfer.spmm(
-        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits
+        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits,
+        weight.row_offset,
     )
     return y.reshape(*lead, m)
 
 
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
-               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger")
+               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger", "row_table")
 
 
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -103,7 +107,8 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     loader variants, ``x_l1``: whether the sm_90 loader copies the activations through L1, and
     ``count_rows``: whether its producer warp counts the bitmap rows above each decoding warp's,
     and ``stagger``: whether it requests the ring's last stage only once a block's first has landed
-    (at ``bn`` = 8 where it does not count rows).
+    (at ``bn`` = 8 where it does not count rows), and ``row_table``: whether the decoding warps read
+    the rows above their own from the weight's row table (``TCABME.row_offset``) instead.
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)
@@ -123,6 +128,6 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     x = torch.empty((n, 1), dtype=dtype, device=device).expand(n, k)  # only N, dtype and device are read
     values = torch.ops.spinfer.spmm_plan(x, m, k, weight.max_run, splits)
     plan = dict(zip(PLAN_FIELDS, values))
-    for flag in ("lean", "bulk", "x_l1", "count_rows", "stagger"):
+    for flag in ("lean", "bulk", "x_l1", "count_rows", "stagger", "row_table"):
         plan[flag] = bool(plan[flag])
     return plan

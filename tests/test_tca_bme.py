@@ -167,3 +167,9 @@ def test_row_table_counts_the_rows_above(group_tile):
     assert torch.equal(enc.to("cpu").row_offset, enc.row_offset)
     assert "row_offset" not in enc.state_dict()
     assert torch.equal(TCABME.from_state_dict(enc.state_dict()).row_offset, enc.row_offset)
+    args = (enc.bitmap, enc.values, enc.gtile_offset, (300, 200), group_tile)
+    assert TCABME(*args, row_offset=enc.row_offset).row_offset is enc.row_offset  # a kept table is taken as is
+    with pytest.raises(TypeError, match="int16"):
+        TCABME(*args, row_offset=enc.row_offset.int())
+    with pytest.raises(ValueError, match="shape"):
+        TCABME(*args, row_offset=enc.row_offset[1:])

@@ -211,10 +211,11 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   if (const char* env = std::getenv("SPINFER_COUNT_ROWS")) p.count_rows = budgets && env[0] == '1';
   // Where the producer does not count the rows above (BN = 8 above ~40% sparsity), the decoding
   // warps read them from the weight's row table (TCABME.row_offset, copied with each stage)
-  // instead of counting three rows of both GroupTiles every stage: the BN = 8 stage 408 -> 387
-  // instructions. A probe on H100 (fifty-fourth session, docs/kernels.md) measured 70% sparsity
-  // +3.3% and 50% +1.2-2.0% at N <= 8. Where the producer counts (and so waits for the stage
-  // before the barrier) the count measured faster than the table, so those keep it. At BN = 32 / 64
+  // instead of counting three rows of both GroupTiles every stage: the BN = 8 stage 408 -> 391
+  // instructions. H100, same process, least of 3 rounds, seven layers x N = 1 / 8 (fifty-fourth
+  // session, docs/kernels.md): 70% sparsity 1.466 -> 1.491x, 50% 1.350 -> 1.373x; end to end at
+  // batch 1 +2.3%. Where the producer counts (and so waits for the stage before the barrier) a
+  // probe measured the count faster than the table, so those keep it. At BN = 32 / 64
   // the table variant compiled to no shorter a stage (484 against 483, 551 against 555), so only
   // the default register budget at BN <= 16 has it. SPINFER_ROW_TABLE=0 turns it off.
   p.row_table = row_table && budgets && p.lean && !p.count_rows && p.min_blocks == 7 &&

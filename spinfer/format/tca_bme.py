@@ -146,8 +146,9 @@ def row_offsets(bitmap: torch.Tensor, geom: Geometry) -> torch.Tensor:
     return above.to(torch.int16)
 
 
-def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry) -> None:
-    """A row table passed beside the arrays has :func:`row_offsets`' dtype, shape and device."""
+def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry, device: torch.device) -> None:
+    """A row table passed beside the arrays has :func:`row_offsets`' dtype and shape and the
+    arrays' device (its values are not trusted: the kernel clamps what it derives from them)."""
     if row_offset is None:
         return
     want = (geom.num_group_tiles, geom.gt_h // 16)
@@ -156,6 +157,8 @@ def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry) -> None:
         raise TypeError(f"row_offset must be an int16 tensor, got {got}")
     if tuple(row_offset.shape) != want:
         raise ValueError(f"row_offset must have shape {want}, got {tuple(row_offset.shape)}")
+    if row_offset.device != device:
+        raise ValueError(f"row_offset is on {row_offset.device} but the weight is on {device}")
 
 
 def encode(weight: torch.Tensor, group_tile=DEFAULT_GROUP_TILE):
@@ -348,6 +351,7 @@ class TCABME:
         self._max_run = int(max_run)
         # The kernel's row table: made here unless the caller kept it (a module rebuilding its
         # weight from buffers, where a compiled graph must not recompute it every call).
+        check_row_table(row_offset, self.geometry, bitmap.device)
         self.row_offset = row_offsets(bitmap, self.geometry) if row_offset is None else row_offset
 
     # construction -------------------------------------------------------------------
@@ -428,6 +432,8 @@ class TCABME:
             self.shape,
             self.group_tile,
             validate=False,
+            max_run=self.max_run,
+            row_offset=self.row_offset.to(device),
         )
         out._nnz = self._nnz
         return out

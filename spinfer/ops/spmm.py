@@ -30,7 +30,7 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
     geom = Geometry(m, k, gt_h, gt_w)
     # The arrays may come from anywhere when the op is called directly: check them fully.
     validate_arrays(bitmap, values, gtile_offset, geom)
-    check_row_table(row_offset, geom)
+    check_row_table(row_offset, geom, bitmap.device)
     longest = longest_run(gtile_offset)
     if max_run < longest:
         raise ValueError(f"max_run={max_run} is below the longest GroupTile run ({longest})")

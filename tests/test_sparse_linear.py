@@ -98,6 +98,11 @@ def test_state_dict_round_trip_and_mismatch():
     sd["gtile_offset"][1] += 8
     with pytest.raises(ValueError):
         b.load_state_dict(sd)  # untrusted arrays are validated
+    sd = a.state_dict()
+    sd["spinfer_meta"] = sd["spinfer_meta"].clone()
+    sd["spinfer_meta"][6] -= 8  # a max_run below the longest run would truncate runs on CUDA
+    with pytest.raises(ValueError, match="max_run"):
+        b.load_state_dict(sd)
 
 
 def test_dtype_and_device_conversions():

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from .. import tuning
 from ..format import TCABME
-from ..format.tca_bme import Geometry, row_offsets, validate_arrays
 from ..ops import lowbit_mm, spmm
 from ..ops.lowbit_mm import fused_max_n
 from ..quant import LowBitWeight
@@ -296,11 +295,13 @@ class SparseLinear(nn.Module):
         self._weight_obj = None
         self._choices = {}
         if self.format == "tca-bme" and not error_msgs:
-            # the row table follows the loaded bitmap (row_offsets checks nothing: validate first)
-            gt_h, gt_w = self._aux[:2]
-            geom = Geometry(self.out_features, self.in_features, gt_h, gt_w)
-            validate_arrays(self.bitmap, self.values, self.gtile_offset, geom)  # untrusted arrays
-            self.row_offset = row_offsets(self.bitmap, geom)
+            # Untrusted arrays and metadata: TCABME validates the arrays, refuses a max_run that is
+            # not their longest run (one below it would truncate runs on CUDA), and makes the row
+            # table of the loaded bitmap.
+            gt_h, gt_w, max_run, _ = self._aux
+            loaded = TCABME(self.bitmap, self.values, self.gtile_offset, (self.out_features, self.in_features),
+                            (gt_h, gt_w), max_run=max_run)
+            self.row_offset = loaded.row_offset
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "

@@ -173,3 +173,15 @@ def test_row_table_counts_the_rows_above(group_tile):
         TCABME(*args, row_offset=enc.row_offset.int())
     with pytest.raises(ValueError, match="shape"):
         TCABME(*args, row_offset=enc.row_offset[1:])
+
+
+def test_row_table_widens_where_int16_overflows():
+    """A dense 256x256 GroupTile has 61440 elements above its last TCTile row, past int16: the
+    table is int32 there (int16 would have wrapped negative), and a kept table must match."""
+    w = torch.randn(256, 512).half()  # dense: every row of a GroupTile full
+    enc = TCABME.from_dense(w, (256, 256))
+    assert enc.row_offset.dtype == torch.int32
+    assert torch.equal(enc.row_offset, (torch.arange(16) * 16 * 256).int().expand(2, 16))
+    args = (enc.bitmap, enc.values, enc.gtile_offset, (256, 512), (256, 256))
+    with pytest.raises(TypeError, match="int32"):
+        TCABME(*args, row_offset=enc.row_offset.to(torch.int16))

@@ -135,15 +135,21 @@ def _gtile_counts(bitmap: torch.Tensor, num_group_tiles: int) -> torch.Tensor:
     return popcount64(bitmap).reshape(num_group_tiles, -1).sum(1)
 
 
+def row_table_dtype(geom: Geometry) -> torch.dtype:
+    """The row table's dtype: int16 where a GroupTile's largest entry, (gt_h - 16) * gt_w, fits
+    (every GroupTile up to 128x128, among them the 64x64 the CUDA kernel takes), int32 beyond."""
+    return torch.int16 if (geom.gt_h - 16) * geom.gt_w <= torch.iinfo(torch.int16).max else torch.int32
+
+
 def row_offsets(bitmap: torch.Tensor, geom: Geometry) -> torch.Tensor:
-    """int16 ``[NGT, gt_h / 16]``: for each GroupTile, the stored elements of its TCTile rows above
-    each row (0 for the first). The CUDA kernel reads a decoding warp's start in the GroupTile's
-    run from it instead of counting the rows above every stage (docs/kernels.md). Derived from the
-    bitmap, so it is made, moved and dropped with the weight and never saved."""
+    """``[NGT, gt_h / 16]`` of :func:`row_table_dtype`: for each GroupTile, the stored elements of
+    its TCTile rows above each row (0 for the first). The CUDA kernel reads a decoding warp's start
+    in the GroupTile's run from it instead of counting the rows above every stage
+    (docs/kernels.md). Derived from the bitmap, so it is made, moved and dropped with the weight
+    and never saved."""
     rows = geom.gt_h // 16
     per_row = popcount64(bitmap).reshape(geom.num_group_tiles, rows, -1).sum(-1)
-    above = torch.cumsum(per_row, 1) - per_row  # at most (gt_h - 16) * gt_w: 16 bits for 64x64 and 128x128
-    return above.to(torch.int16)
+    return (torch.cumsum(per_row, 1) - per_row).to(row_table_dtype(geom))
 
 
 def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry, device: torch.device) -> None:
@@ -152,9 +158,10 @@ def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry, device: 
     if row_offset is None:
         return
     want = (geom.num_group_tiles, geom.gt_h // 16)
-    if not isinstance(row_offset, torch.Tensor) or row_offset.dtype != torch.int16:
+    dtype = row_table_dtype(geom)
+    if not isinstance(row_offset, torch.Tensor) or row_offset.dtype != dtype:
         got = row_offset.dtype if isinstance(row_offset, torch.Tensor) else type(row_offset).__name__
-        raise TypeError(f"row_offset must be an int16 tensor, got {got}")
+        raise TypeError(f"row_offset must be an {str(dtype).removeprefix('torch.')} tensor, got {got}")
     if tuple(row_offset.shape) != want:
         raise ValueError(f"row_offset must have shape {want}, got {tuple(row_offset.shape)}")
     if row_offset.device != device:

@@ -18,7 +18,7 @@ _SPMM_ARGS = (
 # on CUDA, truncates runs (wrong results, never an out-of-bounds access).
 # splits: the CUDA kernel's split-K factor, 0 for its planner's choice (spinfer/tuning.py tunes
 # it per shape and N); the result is the same up to fp32 summation order. The CPU ignores it.
-# row_offset: the weight's row table (TCABME.row_offset, int16 [NGT, gt_h / 16]); the CUDA kernel
+# row_offset: the weight's row table (TCABME.row_offset, int16 [NGT, gt_h / 16] up to 128x128 GroupTiles, int32 beyond); the CUDA kernel
 # reads each warp's start in a GroupTile's run from it instead of counting (without it, it counts).
 # Wrong values give wrong results on CUDA, never an out-of-range read; the CPU checks its shape.
 LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")

@@ -116,6 +116,29 @@ def test_dtype_and_device_conversions():
     assert "format=tca-bme" in repr(layer) and "compression_ratio" in repr(layer)
 
 
+@pytest.mark.parametrize("policy", ["sparse", "lowbit"])
+def test_compressed_layers_refuse_float32_before_changing(policy):
+    layer = SparseLinear.from_linear(pruned_linear(64, 128, 0.5), policy=policy,
+                                     quant="w4" if policy == "lowbit" else None)
+    before = {name: b.clone() for name, b in layer.named_buffers() if b is not None}
+    for convert in (lambda m: m.float(), lambda m: m.double(), lambda m: m.to(torch.float32)):
+        with pytest.raises(TypeError, match="cannot become torch.float"):
+            convert(layer)
+    after = dict(layer.named_buffers())
+    assert all(torch.equal(b, after[name]) and b.dtype == after[name].dtype for name, b in before.items())
+    assert layer(torch.randn(2, 128).half()).dtype == torch.float16
+
+
+def test_dense_layers_take_any_float_dtype_and_keep_their_sparsity():
+    layer = SparseLinear.from_linear(pruned_linear(64, 128, 0.5), policy="dense")
+    x = torch.randn(3, 128)
+    ref = layer(x.half()).double()
+    for dtype in (torch.float32, torch.float64):
+        layer = layer.to(dtype)
+        assert layer.sparsity == pytest.approx(0.5, abs=0.01), dtype
+        assert rel_err(layer(x.to(dtype)), ref) < 2e-3
+
+
 def test_compile_fullgraph():
     model = nn.Sequential(SparseLinear.from_linear(pruned_linear(128, 64, 0.5), policy="sparse"), nn.ReLU())
     x = torch.randn(4, 64).half()

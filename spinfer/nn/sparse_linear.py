@@ -122,6 +122,13 @@ class SparseLinear(nn.Module):
 
     # the stored weight ----------------------------------------------------------------
     def _apply(self, fn, recurse=True):
+        if self.format != "dense":
+            # .float(), .double() or .to(torch.float32) would leave values or scales the kernels
+            # do not take: refuse before any buffer changes, as the conversion itself shows.
+            probe = fn(torch.empty(0, dtype=self.weight_dtype, device=self._device()))
+            if isinstance(probe, torch.Tensor) and probe.dtype not in (torch.float16, torch.bfloat16):
+                raise TypeError(f"a {self.format} SparseLinear keeps its weight in float16 or bfloat16, so it cannot "
+                                f"become {probe.dtype}; use .half() or .bfloat16(), or leave this layer out")
         self._weight_obj = None  # device or dtype changes: rebuild the format object lazily
         self._choices = {}
         return super()._apply(fn, recurse)
@@ -156,7 +163,8 @@ class SparseLinear(nn.Module):
         if self.format == "tca-bme":
             return 1.0 - self._aux[3] / (self.out_features * self.in_features)
         if self.format == "dense":
-            return float((self.weight.view(torch.int16) == 0).float().mean())  # +0.0 only, as TCA-BME
+            w = self.weight  # +0.0 only, as TCA-BME, in whatever float dtype the layer was given
+            return float(((w == 0) & ~torch.signbit(w)).float().mean())
         return 0.0
 
     @property

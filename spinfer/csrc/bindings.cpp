@@ -149,6 +149,7 @@ Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const 
   }
   Prepared p;
   p.kp = grid_k * kGt;
+  TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && p.kp <= INT32_MAX, "shape too large");
   // The kernel reads whole 64-column slices of x: pad K up to the GroupTile with zeros.
   p.x = p.kp == k ? aligned16(x) : at::constant_pad_nd(x, {0, p.kp - k}, 0).contiguous();
   p.bitmap = aligned16(bitmap);
@@ -212,7 +213,6 @@ at::Tensor spmm_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Te
   TORCH_CHECK_VALUE(x.is_cuda(), "spinfer::spmm (CUDA) got x on ", x.device());
   TORCH_CHECK_VALUE(splits >= 0, "splits must be >= 0 (0: the planner's choice), got ", splits);
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
-  TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && p.kp <= INT32_MAX, "shape too large");
   const at::Tensor table = check_row_table(row_offset, gtile_offset);
   at::Tensor y = at::empty({x.size(0), m}, x.options());
   run(p, gtile_offset, m, max_run, bias, splits, table, y);

@@ -171,6 +171,7 @@ def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry, device: 
 def encode(weight: torch.Tensor, group_tile=DEFAULT_GROUP_TILE):
     """Encode a dense ``[M, K]`` fp16/bf16 weight; returns ``(bitmap, values, gtile_offset)``."""
     check_weight(weight)
+    weight = weight.detach()  # the encoded weight is frozen: the ops differentiate x and bias only
     gt_h, gt_w = check_group_tile(group_tile)
     m, k = weight.shape
     geom = Geometry(m, k, gt_h, gt_w)

@@ -23,7 +23,7 @@ _SPMM_ARGS = (
 # Wrong values give wrong results on CUDA, never an out-of-range read; the CPU checks its shape.
 LIB.define(f"spmm({_SPMM_ARGS}) -> Tensor")
 # Writes into a caller-provided [N, M] buffer: static buffers for CUDA graphs, and tests that
-# poison the output before the launch.
+# poison the output before the launch. Not differentiable (spmm is, in x and bias).
 LIB.define(f"spmm_out({_SPMM_ARGS}, *, Tensor(a!) out) -> ()")
 # The CUDA planner's launch configuration for x's N, dtype and device (spinfer.ops.spmm.spmm_plan):
 # a host-side query with no fake implementation, not meant for compiled graphs.
@@ -39,7 +39,8 @@ _LOWBIT_ARGS = (
 # point is one the fused kernel decodes exactly without its per-segment check
 # (LowBitWeight.integer_zeros); False is always correct.
 LIB.define(f"lowbit_mm({_LOWBIT_ARGS}) -> Tensor")
-# Always the fused kernel on CUDA, into a caller-provided [N, M] buffer.
+# Always the fused kernel on CUDA, into a caller-provided [N, M] buffer. Not differentiable
+# (lowbit_mm is, in x and bias).
 LIB.define(f"lowbit_mm_out({_LOWBIT_ARGS}, *, Tensor(a!) out) -> ()")
 # The fused kernel's launch configuration for x's N, dtype and device (spinfer.ops.lowbit_mm.lowbit_plan):
 # a host-side query with no fake implementation, like spmm_plan.

@@ -63,3 +63,33 @@ def check_splits(splits, balanced: bool = False):
     if not balanced and splits < 0:
         raise ValueError(f"splits must be >= 0 (0: the planner's choice), got {splits}")
     return splits
+
+
+def needs_input_grad(x, bias) -> bool:
+    """Whether autograd will differentiate a linear op's output: grad mode is on and x or the bias
+    requires grad (the compressed weights never do, see refuse_weight_grad)."""
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+
+
+def refuse_weight_grad(op: str, weight_like: torch.Tensor) -> None:
+    """The ops differentiate x and bias only; a compressed weight that asks for gradients is refused
+    at the forward call rather than left without them."""
+    if weight_like.requires_grad:
+        raise RuntimeError(f"spinfer.{op}: gradients with respect to the compressed weight are not supported; "
+                           f"its arrays must not require grad (x and bias may)")
+
+
+def wants_grad(ctx, index: int) -> bool:
+    """``ctx.needs_input_grad[index]`` of a torch.library autograd context, where the dispatcher
+    drops trailing arguments left at their defaults (a bias of None), so the tuple may be short."""
+    needs = ctx.needs_input_grad
+    return index < len(needs) and bool(needs[index])
+
+
+def linear_input_grads(grad, dense_weight, needs_bias: bool):
+    """``F.linear``'s input gradients for ``y = x @ W.T + bias``: ``grad_x = grad @ W`` (``W`` from
+    ``dense_weight()``, a decode made only when x needs its gradient, else None) and ``grad_bias``,
+    the sum of ``grad`` over tokens."""
+    grad_x = grad @ dense_weight() if dense_weight is not None else None
+    grad_bias = grad.sum(0) if needs_bias else None
+    return grad_x, grad_bias

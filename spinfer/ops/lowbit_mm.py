@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from .. import build, tuning
 from ..quant.lowbit import LowBitWeight, check_bits, dequantize
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import check_op_inputs, check_out, check_splits, flatten_input
+from .linear_input import (check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
+                           needs_input_grad, refuse_weight_grad, wants_grad)
 
 # Largest N served by the fused kernel, by bit width; above it the weight is decoded once
 # (lowbit_to_dense) and cuBLAS multiplies. The fused kernel decodes the weight again for every
@@ -99,10 +100,35 @@ torch.library.impl("spinfer::lowbit_mm", "CUDA")(_lowbit_mm_cuda)
 torch.library.impl("spinfer::lowbit_mm_out", "CPU")(_lowbit_mm_out_cpu)
 
 
+# Gradients flow to x and bias as through F.linear; the weight is frozen (spmm's op does the same).
+# Backward dequantizes it once (spinfer::lowbit_to_dense, in the stored column order) for
+# grad_x = grad_y @ W, and puts the act-order columns back where forward gathered them.
+def _lowbit_mm_setup_context(ctx, inputs, output):
+    x, qweight, scale_zero, bits, group_size, m, k, perm, bias, _splits, _integer_zeros = inputs
+    refuse_weight_grad("lowbit_mm", scale_zero)
+    ctx.save_for_backward(qweight, scale_zero, perm)
+    ctx.spec = (bits, group_size, m, k)
+
+
+def _lowbit_mm_backward(ctx, grad):
+    qweight, scale_zero, perm = ctx.saved_tensors
+    needs_x, needs_bias = wants_grad(ctx, 0), wants_grad(ctx, 8)
+    dense = (lambda: torch.ops.spinfer.lowbit_to_dense(qweight, scale_zero, *ctx.spec)) if needs_x else None
+    grad_x, grad_bias = linear_input_grads(grad, dense, needs_bias)
+    if grad_x is not None and perm is not None:  # forward read x.index_select(1, perm)
+        grad_x = torch.zeros_like(grad_x).index_add_(1, perm, grad_x)
+    return grad_x, None, None, None, None, None, None, None, grad_bias, None, None
+
+
+torch.library.register_autograd("spinfer::lowbit_mm", _lowbit_mm_backward, setup_context=_lowbit_mm_setup_context)
+
+
 def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor] = None,
               *, out: Optional[torch.Tensor] = None, splits: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
     ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation).
+    Differentiable in ``x`` and ``bias`` (backward dequantizes the weight once; not with ``out``);
+    the weight itself is frozen.
 
     One token (1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; any K) runs
     the GEMV kernel instead of the fused one (``lowbit_plan(weight, 1)["gemv"]``; docs/quant.md).
@@ -133,17 +159,22 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
             integer_zeros = weight.integer_zeros
     args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits,
             integer_zeros)
+    grad = needs_input_grad(x2, bias)
     if out is not None:
+        if grad:  # as torch's own out= functions
+            raise RuntimeError("lowbit_mm(): out= does not support automatic differentiation, but x or bias "
+                               "requires grad; call it under torch.no_grad() or without out=")
         check_out(out, x2, m)
         if x2.shape[0]:
             torch.ops.spinfer.lowbit_mm_out(*args, out=out)
         return out.view(*lead, m)
     if x2.shape[0] == 0:
         return x.new_empty((*lead, m))
-    if x2.is_cuda and x2.shape[0] <= fused_max_n(weight.bits) and not torch.compiler.is_compiling():
+    if x2.is_cuda and x2.shape[0] <= fused_max_n(weight.bits) and not grad and not torch.compiler.is_compiling():
         # Eager fast path: the weight was checked when it was built and flatten_input checked
         # x and bias, so go straight to the kernel (one dispatch instead of two, ~40 us less
-        # host time per call). Compiled graphs keep the lowbit_mm op.
+        # host time per call). Compiled graphs, and calls autograd will differentiate, keep the
+        # lowbit_mm op.
         out = x2.new_empty((x2.shape[0], m))
         torch.ops.spinfer.lowbit_mm_out(*args, out=out)
         return out.view(*lead, m)

@@ -15,7 +15,8 @@ import torch
 from .. import build, tuning
 from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, decode, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import check_op_inputs, check_out, check_splits, flatten_input
+from .linear_input import (check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
+                           needs_input_grad, refuse_weight_grad, wants_grad)
 
 
 @torch.library.register_fake("spinfer::spmm")
@@ -61,10 +62,32 @@ torch.library.impl("spinfer::spmm", "CPU")(_spmm_cpu)
 torch.library.impl("spinfer::spmm_out", "CPU")(_spmm_out_cpu)
 
 
+# Gradients flow to x and bias as through F.linear; the weight is frozen. Backward decodes it to
+# dense once (spinfer::tca_bme_to_dense) for grad_x = grad_y @ W, as bitsandbytes' 4-bit layers
+# dequantize theirs: adapters trained over a pruned base model need nothing more.
+def _spmm_setup_context(ctx, inputs, output):
+    x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, _max_run, bias, _splits, _row_offset = inputs
+    refuse_weight_grad("spmm", values)
+    ctx.save_for_backward(bitmap, values, gtile_offset)
+    ctx.geometry = (m, k, gt_h, gt_w)
+
+
+def _spmm_backward(ctx, grad):
+    needs_x, needs_bias = wants_grad(ctx, 0), wants_grad(ctx, 9)
+    dense = (lambda: torch.ops.spinfer.tca_bme_to_dense(*ctx.saved_tensors, *ctx.geometry)) if needs_x else None
+    grad_x, grad_bias = linear_input_grads(grad, dense, needs_bias)
+    return grad_x, None, None, None, None, None, None, None, None, grad_bias, None, None
+
+
+torch.library.register_autograd("spinfer::spmm", _spmm_backward, setup_context=_spmm_setup_context)
+
+
 def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *,
          splits: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a TCA-BME weight ``W [M, K]``; like
     ``torch.nn.functional.linear``.  Output dtype is ``x.dtype`` (fp32 accumulation).
+    Differentiable in ``x`` and ``bias`` (backward decodes the weight to dense once); the weight
+    itself is frozen.
 
     ``splits`` sets the CUDA kernel's split-K factor; by default it is the one
     :func:`spinfer.tuning.tune_spmm` measured best for this shape and N, or the planner's rule
@@ -84,11 +107,15 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
     gt_h, gt_w = weight.group_tile
     if splits is None:
         splits = tuning.spmm_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
-    y = torch.ops.spinfer.spmm(
-        x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits,
-        weight.row_offset,
-    )
-    return y.reshape(*lead, m)
+    args = (x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits,
+            weight.row_offset)
+    if x2.is_cuda and not needs_input_grad(x2, bias) and not torch.compiler.is_compiling():
+        # Eager, nothing to differentiate: the kernel through spmm_out, past the op's Python
+        # autograd kernel (3-7 us of host time a call). Compiled graphs keep the spmm op.
+        out = x2.new_empty((x2.shape[0], m))
+        torch.ops.spinfer.spmm_out(*args, out=out)
+        return out.view(*lead, m)
+    return torch.ops.spinfer.spmm(*args).reshape(*lead, m)
 
 
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).

@@ -245,7 +245,7 @@ class LowBitWeight:
                                  f"{tuple(zeros.shape)} on {zeros.device}")
             if scales.dim() != 2:
                 raise ValueError(f"scales and zeros must be [M, K/g], got {tuple(scales.shape)}")
-            scale_zero = tile_scale_zero(torch.stack((scales, zeros), dim=-1))
+            scale_zero = tile_scale_zero(torch.stack((scales, zeros), dim=-1).detach())
         elif scales is not None or zeros is not None:
             raise ValueError("pass scales and zeros, or scale_zero, not both")
         self.qweight, self.scale_zero, self.perm = qweight, scale_zero, perm
@@ -262,6 +262,7 @@ class LowBitWeight:
     def quantize(cls, weight: torch.Tensor, bits: int, group_size: Optional[int] = 128) -> "LowBitWeight":
         """Round-to-nearest asymmetric min/max quantization of a fp16/bf16 ``[M, K]`` weight."""
         _check_weight(weight)
+        weight = weight.detach()  # the quantized weight is frozen: the op differentiates x and bias only
         bits = check_bits(bits)
         m, k = weight.shape
         g = resolve_group_size(group_size, k)

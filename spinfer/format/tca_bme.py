@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -62,23 +63,24 @@ class StorageBreakdown:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Tile counts of a logical ``[M, K]`` weight under a GroupTile shape."""
+    """Tile counts of a logical ``[M, K]`` weight under a GroupTile shape. Each count is computed
+    once (``cached_property``): every spmm call checks the arrays' sizes against them."""
 
     m: int
     k: int
     gt_h: int
     gt_w: int
 
-    @property
+    @cached_property
     def padded_shape(self) -> Tuple[int, int]:
         return (-(-self.m // self.gt_h) * self.gt_h, -(-self.k // self.gt_w) * self.gt_w)
 
-    @property
+    @cached_property
     def grid(self) -> Tuple[int, int]:
         mp, kp = self.padded_shape
         return mp // self.gt_h, kp // self.gt_w
 
-    @property
+    @cached_property
     def num_group_tiles(self) -> int:
         gm, gk = self.grid
         return gm * gk
@@ -87,7 +89,7 @@ class Geometry:
     def gtile_elems(self) -> int:
         return self.gt_h * self.gt_w
 
-    @property
+    @cached_property
     def num_bitmap_tiles(self) -> int:
         return self.num_group_tiles * self.gtile_elems // 64
 

@@ -152,8 +152,9 @@ class SparseLinear(nn.Module):
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        return {"dense": lambda: self.weight.dtype, "tca-bme": lambda: self.values.dtype,
-                "lowbit": lambda: self.scale_zero.dtype}[self.format]()
+        if self.format == "tca-bme":
+            return self.values.dtype
+        return self.scale_zero.dtype if self.format == "lowbit" else self.weight.dtype
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
@@ -235,25 +236,24 @@ class SparseLinear(nn.Module):
         return least_of_rounds({kern: (lambda kern=kern: self._run(kern, x)) for kern in self.candidates()},
                                x.device, reps=10, max_seconds=2)
 
-    def _run(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
+    def _run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_object()
         if kernel == P.DENSE:
-            return F.linear(x2, w, self.bias)
+            return F.linear(x, w, self.bias)
         if kernel == P.SPMM:
-            return spmm(x2, w, self.bias)
+            return spmm(x, w, self.bias)
         if kernel == P.DECODE_DENSE:
-            return F.linear(x2, w.to_dense(), self.bias)
-        return lowbit_mm(x2, w, self.bias)
+            return F.linear(x, w.to_dense(), self.bias)
+        return lowbit_mm(x, w, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
         if x.dtype != self.weight_dtype:
             raise TypeError(f"x is {x.dtype} but the layer is {self.weight_dtype}; cast the input or the layer")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        y = self._run(self.choose(x2.shape[0]), x2)
-        return y.reshape(*lead, self.out_features)
+        # Every kernel's wrapper takes leading dimensions as F.linear does, so x goes as it is:
+        # one flatten, in the wrapper (eager decode is host-bound at batch 1; docs/policy.md).
+        return self._run(self.choose(x.numel() // self.in_features), x)
 
     def policy_report(self, print_it: bool = True) -> str:
         """Per N bucket: the chosen kernel, each candidate's predicted time and, if measured

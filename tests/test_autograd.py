@@ -74,6 +74,20 @@ def test_calls_with_nothing_to_differentiate_build_no_graph(device):
         assert op(x.clone().requires_grad_()).grad_fn is not None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_empty_batch_keeps_its_graph(device):
+    """N = 0 under autograd, as F.linear: an empty x.grad and a zero bias gradient."""
+    w = random_sparse((64, 256), 0.5, torch.float16).to(device)
+    enc, q = TCABME.from_dense(w), LowBitWeight.quantize(w, 4, 128)
+    for op in (lambda x, b: spinfer.spmm(x, enc, b), lambda x, b: spinfer.lowbit_mm(x, q, b)):
+        x = torch.randn(2, 0, 256, device=device).half().requires_grad_()
+        b = torch.randn(64, device=device).half().requires_grad_()
+        y = op(x, b)
+        assert y.shape == (2, 0, 64)
+        y.sum().backward()
+        assert x.grad.shape == x.shape and torch.equal(b.grad, torch.zeros_like(b))
+
+
 def test_the_compressed_weight_is_frozen():
     param = nn.Parameter(random_sparse((64, 128), 0.5, torch.float16))
     enc, q = TCABME.from_dense(param), LowBitWeight.quantize(param, 4, 64)  # encoders detach

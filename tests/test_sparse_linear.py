@@ -124,6 +124,8 @@ def test_compressed_layers_refuse_float32_before_changing(policy):
     for convert in (lambda m: m.float(), lambda m: m.double(), lambda m: m.to(torch.float32)):
         with pytest.raises(TypeError, match="cannot become torch.float"):
             convert(layer)
+    with pytest.raises(TypeError, match="integer arrays"):
+        layer.type(torch.float16)  # nn.Module.type casts every buffer, the bitmap and offsets too
     after = dict(layer.named_buffers())
     assert all(torch.equal(b, after[name]) and b.dtype == after[name].dtype for name, b in before.items())
     assert layer(torch.randn(2, 128).half()).dtype == torch.float16

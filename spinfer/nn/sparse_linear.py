@@ -124,11 +124,17 @@ class SparseLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         if self.format != "dense":
             # .float(), .double() or .to(torch.float32) would leave values or scales the kernels
-            # do not take: refuse before any buffer changes, as the conversion itself shows.
-            probe = fn(torch.empty(0, dtype=self.weight_dtype, device=self._device()))
+            # do not take, and .type(dtype) would cast the integer arrays too: refuse before any
+            # buffer changes, as the conversion shows on empty tensors of the two kinds.
+            device = self._device()
+            probe = fn(torch.empty(0, dtype=self.weight_dtype, device=device))
             if isinstance(probe, torch.Tensor) and probe.dtype not in (torch.float16, torch.bfloat16):
                 raise TypeError(f"a {self.format} SparseLinear keeps its weight in float16 or bfloat16, so it cannot "
                                 f"become {probe.dtype}; use .half() or .bfloat16(), or leave this layer out")
+            probe = fn(torch.empty(0, dtype=torch.int64, device=device))
+            if isinstance(probe, torch.Tensor) and probe.dtype != torch.int64:
+                raise TypeError(f"this conversion would cast a {self.format} SparseLinear's integer arrays to "
+                                f"{probe.dtype}; use .half() or .bfloat16() to change its dtype")
         self._weight_obj = None  # device or dtype changes: rebuild the format object lazily
         self._choices = {}
         return super()._apply(fn, recurse)

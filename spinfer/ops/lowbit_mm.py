@@ -168,7 +168,7 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
         if x2.shape[0]:
             torch.ops.spinfer.lowbit_mm_out(*args, out=out)
         return out.view(*lead, m)
-    if x2.shape[0] == 0:
+    if x2.shape[0] == 0 and not grad:  # (an empty batch that autograd follows goes through the op)
         return x.new_empty((*lead, m))
     if x2.is_cuda and x2.shape[0] <= fused_max_n(weight.bits) and not grad and not torch.compiler.is_compiling():
         # Eager fast path: the weight was checked when it was built and flatten_input checked

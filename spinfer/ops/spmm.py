@@ -96,7 +96,8 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
     splits = check_splits(splits)
     m, k = weight.shape
     check_structure(weight.bitmap, weight.values, weight.gtile_offset, weight.geometry)
-    if x2.shape[0] == 0:
+    grad = needs_input_grad(x2, bias)
+    if x2.shape[0] == 0 and not grad:  # (an empty batch that autograd follows goes through the op)
         return x.new_empty((*lead, m))
     if x2.is_cuda and weight.group_tile != (64, 64):
         raise ValueError(
@@ -109,9 +110,10 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
         splits = tuning.spmm_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
     args = (x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits,
             weight.row_offset)
-    if x2.is_cuda and not needs_input_grad(x2, bias) and not torch.compiler.is_compiling():
+    if x2.is_cuda and not grad and not torch.compiler.is_compiling():
         # Eager, nothing to differentiate: the kernel through spmm_out, past the op's Python
-        # autograd kernel (3-7 us of host time a call). Compiled graphs keep the spmm op.
+        # autograd kernel (~19 us of host time a call on the H100 machine's host, docs/policy.md).
+        # Compiled graphs keep the spmm op.
         out = x2.new_empty((x2.shape[0], m))
         torch.ops.spinfer.spmm_out(*args, out=out)
         return out.view(*lead, m)

@@ -105,6 +105,22 @@ def test_state_dict_round_trip_and_mismatch():
         b.load_state_dict(sd)
 
 
+def test_a_loaded_state_keeps_the_layers_dtype():
+    # As load_state_dict keeps any module's dtype: a TCA-BME layer takes the incoming arrays'
+    # lengths (they follow the nonzeros) but keeps its values and bias in its own dtype. Before,
+    # its values took the incoming dtype and its bias did not, which no input could then run.
+    a = SparseLinear.from_linear(pruned_linear(128, 256, 0.5), policy="sparse")  # float16
+    b = SparseLinear.from_linear(pruned_linear(128, 256, 0.7), policy="sparse").bfloat16()
+    b(torch.randn(2, 256).bfloat16())  # dtype and device now kept between calls
+    b.load_state_dict(a.state_dict())
+    assert b.values.dtype == b.bias.dtype == b.weight_dtype == torch.bfloat16
+    assert torch.equal(b.bitmap, a.bitmap) and b.values.numel() == a.values.numel()
+    x = torch.randn(3, 256)
+    assert rel_err(b(x.bfloat16()), a(x.half()).float()) < 1e-2
+    with pytest.raises(TypeError, match="float16 but the layer is torch.bfloat16"):
+        b(x.half())
+
+
 def test_dtype_and_device_conversions():
     layer = SparseLinear.from_linear(pruned_linear(256, 512, 0.5), policy="sparse")
     x = torch.randn(3, 512)

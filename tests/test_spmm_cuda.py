@@ -538,8 +538,13 @@ def test_bad_input_is_rejected_before_launch():
     enc = TCABME.from_dense(w)
     with pytest.raises(ValueError, match="128"):
         spinfer.spmm(torch.randn(2, 127, device="cuda").half(), enc)
-    with pytest.raises(TypeError, match="bfloat16|float16"):
+    # (an eager CUDA call leaves these to the op's C++ checks, which name dtypes as Python does)
+    with pytest.raises(TypeError, match="x is torch.bfloat16 but the weight is torch.float16; cast x"):
         spinfer.spmm(torch.randn(2, 128, device="cuda").bfloat16(), enc)
+    with pytest.raises(TypeError, match="bias is torch.float32 but x is torch.float16"):
+        spinfer.spmm(torch.randn(2, 128, device="cuda").half(), enc, torch.zeros(64, device="cuda"))
+    with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
+        spinfer.spmm(torch.randn(2, 128, device="cuda").half(), enc, torch.zeros(63, device="cuda").half())
     with pytest.raises(ValueError, match="cpu|cuda"):
         spinfer.spmm(torch.randn(2, 128).half(), enc)
     enc16 = TCABME.from_dense(w, group_tile=(32, 32))

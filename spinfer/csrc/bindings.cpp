@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,6 +24,21 @@ namespace spinfer {
 namespace {
 
 constexpr int64_t kGt = 64;
+
+// A dtype as Python names it (torch.float16, not Half), so the checks here read like the Python
+// layer's: an eager CUDA call of spinfer.spmm leaves its x / bias checks to this file.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
 
 struct Prepared {
   at::Tensor x, bitmap, values;
@@ -113,10 +129,11 @@ std::array<int64_t, 2> check_tca_bme_arrays(const char* op, const at::Tensor& bi
                     "; re-encode with group_tile=(64, 64)");
   TORCH_CHECK_VALUE(m >= 1 && k >= 1, op, ": weight shape must be at least 1x1, got ", m, "x", k);
   TORCH_CHECK_TYPE(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16,
-                   "values must be torch.float16 or torch.bfloat16, got ", values.scalar_type());
-  TORCH_CHECK_TYPE(bitmap.scalar_type() == at::kLong, "bitmap must be torch.int64, got ", bitmap.scalar_type());
+                   "values must be torch.float16 or torch.bfloat16, got ", dtype_name(values.scalar_type()));
+  TORCH_CHECK_TYPE(bitmap.scalar_type() == at::kLong, "bitmap must be torch.int64, got ",
+                   dtype_name(bitmap.scalar_type()));
   TORCH_CHECK_TYPE(gtile_offset.scalar_type() == at::kInt, "gtile_offset must be torch.int32, got ",
-                   gtile_offset.scalar_type());
+                   dtype_name(gtile_offset.scalar_type()));
   for (const at::Tensor* t : {&bitmap, &values, &gtile_offset}) {
     TORCH_CHECK_VALUE(t->is_cuda() && t->device() == device, "expected TCA-BME arrays on ", device,
                       ", but one is on ", t->device());
@@ -137,14 +154,15 @@ Prepared check_and_prepare(const at::Tensor& x, const at::Tensor& bitmap, const 
                     x.sizes());
   const int64_t grid_k = check_tca_bme_arrays("spinfer::spmm", bitmap, values, gtile_offset, m, k, gt_h, gt_w,
                                               x.device())[1];
-  TORCH_CHECK_TYPE(x.scalar_type() == values.scalar_type(), "x is ", x.scalar_type(),
-                   " but the weight is ", values.scalar_type());
+  TORCH_CHECK_TYPE(x.scalar_type() == values.scalar_type(), "x is ", dtype_name(x.scalar_type()),
+                   " but the weight is ", dtype_name(values.scalar_type()), "; cast x to ",
+                   dtype_name(values.scalar_type()));
   TORCH_CHECK_VALUE(values.numel() < (int64_t(1) << 31), "too many values for int32 offsets");
   if (bias) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == m, "bias must have shape (", m, ",), got ",
                       bias->sizes());
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "bias is ", bias->scalar_type(), " but x is ",
-                     x.scalar_type());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "bias is ", dtype_name(bias->scalar_type()), " but x is ",
+                     dtype_name(x.scalar_type()));
     TORCH_CHECK_VALUE(bias->device() == x.device(), "bias is on ", bias->device(), " but x is on ", x.device());
   }
   Prepared p;
@@ -164,7 +182,7 @@ at::Tensor check_row_table(const std::optional<at::Tensor>& row_offset, const at
   if (!row_offset) return at::Tensor();
   const at::Tensor& t = *row_offset;
   const int64_t ngt = gtile_offset.numel() - 1;
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kShort, "row_offset must be int16, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kShort, "row_offset must be int16, got ", dtype_name(t.scalar_type()));
   TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == ngt && t.size(1) == kGt / 16, "row_offset must have shape [", ngt,
                     ", ", kGt / 16, "], got ", t.sizes());
   TORCH_CHECK_VALUE(t.device() == gtile_offset.device(), "row_offset is on ", t.device(), " but the weight is on ",
@@ -228,8 +246,8 @@ void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tens
   const Prepared p = check_and_prepare(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, bias);
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
                     "out must be a contiguous [", x.size(0), ", ", m, "] tensor, got ", out.sizes());
-  TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", out.scalar_type(), " but x is ",
-                   x.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", dtype_name(out.scalar_type()), " but x is ",
+                   dtype_name(x.scalar_type()));
   TORCH_CHECK_VALUE(out.device() == x.device(), "out is on ", out.device(), " but x is on ", x.device());
   run(p, gtile_offset, m, max_run, bias, splits, check_row_table(row_offset, gtile_offset), out);
 }
@@ -255,7 +273,7 @@ LowbitGeometry check_lowbit_arrays(const at::Tensor& qweight, const at::Tensor& 
                     "qweight must be [", (m + 63) / 64, ", ", g.kp / stage, ", 64, ", stage * bits / 32, "], got ",
                     qweight.sizes());
   TORCH_CHECK_TYPE(scale_zero.scalar_type() == at::kHalf || scale_zero.scalar_type() == at::kBFloat16,
-                   "scale_zero must be float16 or bfloat16, got ", scale_zero.scalar_type());
+                   "scale_zero must be float16 or bfloat16, got ", dtype_name(scale_zero.scalar_type()));
   TORCH_CHECK_VALUE(scale_zero.dim() == 4 && scale_zero.size(0) == (m + 63) / 64 && scale_zero.size(1) == g.groups &&
                         scale_zero.size(2) == 64 && scale_zero.size(3) == 2,
                     "scale_zero must be [", (m + 63) / 64, ", ", g.groups, ", 64, 2], got ", scale_zero.sizes());
@@ -280,20 +298,20 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t kp = geo.kp, groups = geo.groups;
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "x must be [N, ", k, "], got ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
-                   "x must be float16 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(scale_zero.scalar_type() == x.scalar_type(), "scale_zero is ", scale_zero.scalar_type(),
-                   " but x is ", x.scalar_type());
+                   "x must be float16 or bfloat16, got ", dtype_name(x.scalar_type()));
+  TORCH_CHECK_TYPE(scale_zero.scalar_type() == x.scalar_type(), "scale_zero is ", dtype_name(scale_zero.scalar_type()),
+                   " but x is ", dtype_name(x.scalar_type()));
   for (const at::Tensor* t : {&qweight, &scale_zero, const_cast<const at::Tensor*>(&out)})
     TORCH_CHECK_VALUE(t->device() == x.device(), "x is on ", x.device(), " but an array is on ", t->device());
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
                     "out must be a contiguous [", x.size(0), ", ", m, "] tensor, got ", out.sizes());
-  TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", out.scalar_type(), " but x is ",
-                   x.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", dtype_name(out.scalar_type()), " but x is ",
+                   dtype_name(x.scalar_type()));
   if (bias) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == m && bias->device() == x.device(),
                       "bias must be a [", m, "] tensor on ", x.device());
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "bias is ", bias->scalar_type(), " but x is ",
-                     x.scalar_type());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "bias is ", dtype_name(bias->scalar_type()), " but x is ",
+                     dtype_name(x.scalar_type()));
   }
   TORCH_CHECK_VALUE(x.size(0) <= INT32_MAX && m <= INT32_MAX && kp <= INT32_MAX, "shape too large");
   // One block row per 64 output rows, at most 65535 of them (the grid's y dimension).

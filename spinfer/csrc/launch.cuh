@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +52,24 @@ cudaError_t allow_smem_once(Kernel kernel, int smem, std::atomic<uint64_t>& done
   if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+  return err;
+}
+
+// A kernel's dynamic shared-memory opt-in for a size that varies by launch (the SMBD kernel's value
+// buffers follow the weight's longest run): the attribute is a ceiling, so it is raised only when a
+// launch needs more than this device was given so far, and never lowered. Setting it on every launch
+// cost ~4 us of host time a call on the H100 machine's host (torch.profiler, an eager decode step).
+template <typename Kernel>
+cudaError_t allow_smem_at_least(Kernel kernel, int smem) {
+  int device = 0;
+  cudaGetDevice(&device);
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes opted in
+  const std::lock_guard<std::mutex> lock(mutex);
+  int& have = allowed[{reinterpret_cast<const void*>(kernel), device}];
+  if (smem <= have) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess) have = smem;
   return err;
 }
 

@@ -600,7 +600,7 @@ template <bool kBF16, int BN>
 int resident_blocks(const SpmmPlan& plan) {
   auto kernel = kernel_for<kBF16, BN>(plan);
   int blocks = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes) != cudaSuccess ||
+  if (allow_smem_at_least(kernel, plan.smem_bytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.bulk ? kThreads<true> : kThreads<false>,
                                                     plan.smem_bytes) != cudaSuccess) {
     (void)cudaGetLastError();  // a failed query is not the caller's error; the launch reports its own
@@ -612,7 +612,7 @@ int resident_blocks(const SpmmPlan& plan) {
 template <bool kBF16, int BN>
 cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream) {
   auto kernel = kernel_for<kBF16, BN>(plan);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes);
+  cudaError_t err = allow_smem_at_least(kernel, plan.smem_bytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(plan.n_tiles, plan.grid_m, plan.splits);
   // The bulk loader hints its copies itself (ptx::l2_stream_policy); the cp.async loader gets a

@@ -71,6 +71,7 @@ class SparseLinear(nn.Module):
             bias = bias.detach()
         self.register_buffer("bias", bias)
         self._weight_obj = None  # format object rebuilt from the buffers, dropped by _apply
+        self._location = None  # (device, str(device), weight dtype) of the buffers, dropped by _apply
         self._measured: Dict[tuple, Dict[str, float]] = {}  # autotune: (device, bucket) -> times
         self._choices: Dict[tuple, str] = {}  # (device, bucket) -> kernel, decided once
 
@@ -136,6 +137,7 @@ class SparseLinear(nn.Module):
                 raise TypeError(f"this conversion would cast a {self.format} SparseLinear's integer arrays to "
                                 f"{probe.dtype}; use .half() or .bfloat16() to change its dtype")
         self._weight_obj = None  # device or dtype changes: rebuild the format object lazily
+        self._location = None
         self._choices = {}
         return super()._apply(fn, recurse)
 
@@ -192,7 +194,16 @@ class SparseLinear(nn.Module):
         return {kern: P.predict(kern, m, k, n, self.memory_bytes(), prof, ngt, bits) for kern in self.candidates()}
 
     def _device(self) -> torch.device:
-        return next(self.buffers()).device
+        return self._where()[0]
+
+    def _where(self):
+        """(device, str(device), weight_dtype) of the buffers, kept between calls (_apply drops
+        them): walking the module's buffers and naming the device cost ~3 us of host time a call,
+        and eager decode is host-bound (docs/policy.md)."""
+        if getattr(self, "_location", None) is None:  # (absent from layers pickled before it)
+            device = next(self.buffers()).device
+            self._location = (device, str(device), self.weight_dtype)
+        return self._location
 
     def choose(self, n: int) -> str:
         """The kernel for a call with ``n`` tokens."""
@@ -201,13 +212,14 @@ class SparseLinear(nn.Module):
             return kernels[0]
         if self.policy == "sparse":
             return P.SPMM
-        device = self._device()
+        device, where, _ = self._where()
         if device.type != "cuda" and self.policy != "autotune":
             return P.DECODE_DENSE  # on the CPU the reference decodes anyway; skip its validation
         bucket = P.n_bucket(n)
-        key = (str(device), bucket)
-        if key in self._choices:
-            return self._choices[key]
+        key = (where, bucket)
+        choice = self._choices.get(key)
+        if choice is not None:
+            return choice
         # Timing (autotune) synchronises and the device profile may come from a file: neither may
         # happen while a CUDA graph is being captured or torch.compile is tracing. Then the
         # default constants decide, without caching, and the next eager call decides for good.
@@ -255,7 +267,7 @@ class SparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
-        if x.dtype != self.weight_dtype:
+        if x.dtype != self._where()[2]:
             raise TypeError(f"x is {x.dtype} but the layer is {self.weight_dtype}; cast the input or the layer")
         # Every kernel's wrapper takes leading dimensions as F.linear does, so x goes as it is:
         # one flatten, in the wrapper (eager decode is host-bound at batch 1; docs/policy.md).
@@ -298,15 +310,19 @@ class SparseLinear(nn.Module):
             raise ValueError(
                 f"{prefix or 'SparseLinear'}: state_dict holds a {fmt.get(theirs[1], '?')} {theirs[2]}x{theirs[3]} weight "
                 f"{tuple(theirs[4:6])}, this layer is {self.format} {ours[2]}x{ours[3]} {tuple(ours[4:6])}")
-        # TCA-BME arrays change length with the nonzeros: take the incoming sizes.
+        # TCA-BME arrays change length with the nonzeros: take the incoming sizes. The values keep
+        # the layer's dtype, as load_state_dict keeps any module's (the bias, whose shape does not
+        # change, is cast by copy_ either way; taking the incoming dtype left the two apart).
         for name, buf in list(self._buffers.items()):
             incoming = state_dict.get(prefix + name)
             if buf is not None and incoming is not None and incoming.shape != buf.shape and self.format == "tca-bme":
-                self._buffers[name] = torch.empty_like(incoming, device=buf.device)
+                dtype = buf.dtype if buf.is_floating_point() else incoming.dtype
+                self._buffers[name] = torch.empty(incoming.shape, dtype=dtype, device=buf.device)
         state = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self._aux = tuple(int(v) for v in theirs[4:8])
         self._weight_obj = None
+        self._location = None
         self._choices = {}
         if self.format == "tca-bme" and not error_msgs:
             # Untrusted arrays and metadata: TCABME validates the arrays, refuses a max_run that is

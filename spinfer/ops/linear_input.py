@@ -24,8 +24,10 @@ def check_op_inputs(x, weight_like: torch.Tensor, m: int, k: int, bias) -> None:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
 
 
-def flatten_input(x, weight, weight_type: type, weight_like: torch.Tensor, bias):
-    """Validate a public wrapper's arguments; returns ``(x2 [N, K] contiguous, lead shape)``."""
+def flatten_input(x, weight, weight_type: type, weight_like: torch.Tensor, bias, check: bool = True):
+    """Validate a public wrapper's arguments; returns ``(x2 [N, K] contiguous, lead shape)``.
+    ``check=False`` leaves check_op_inputs to an op that makes the same checks itself (the CUDA
+    SpMM ops, in C++), so an eager call pays for them once."""
     if not isinstance(weight, weight_type):
         raise TypeError(f"weight must be a spinfer.{weight_type.__name__}, got {type(weight).__name__}")
     if not isinstance(x, torch.Tensor):
@@ -35,8 +37,9 @@ def flatten_input(x, weight, weight_type: type, weight_like: torch.Tensor, bias)
     m, k = weight.shape
     if x.dim() == 0 or x.shape[-1] != k:
         raise ValueError(f"x must have shape [..., {k}] to match the weight {m}x{k}, got {tuple(x.shape)}")
-    x2 = x.reshape(-1, k).contiguous()
-    check_op_inputs(x2, weight_like, m, k, bias)
+    x2 = (x if x.dim() == 2 else x.reshape(-1, k)).contiguous()
+    if check:
+        check_op_inputs(x2, weight_like, m, k, bias)
     return x2, x.shape[:-1]
 
 

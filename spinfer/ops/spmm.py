@@ -92,12 +92,16 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
     ``splits`` sets the CUDA kernel's split-K factor; by default it is the one
     :func:`spinfer.tuning.tune_spmm` measured best for this shape and N, or the planner's rule
     where none was tuned."""
-    x2, lead = flatten_input(x, weight, TCABME, weight.values, bias)
+    # The ops check x, bias and the arrays themselves (CUDA: check_and_prepare in bindings.cpp, the
+    # same checks as check_op_inputs and check_structure; CPU: the reference, in full), so an eager
+    # CUDA call makes them once: decode at batch 1 is host-bound (docs/policy.md).
+    x2, lead = flatten_input(x, weight, TCABME, weight.values, bias, check=not x.is_cuda)
     splits = check_splits(splits)
     m, k = weight.shape
-    check_structure(weight.bitmap, weight.values, weight.gtile_offset, weight.geometry)
     grad = needs_input_grad(x2, bias)
     if x2.shape[0] == 0 and not grad:  # (an empty batch that autograd follows goes through the op)
+        check_op_inputs(x2, weight.values, m, k, bias)
+        check_structure(weight.bitmap, weight.values, weight.gtile_offset, weight.geometry)
         return x.new_empty((*lead, m))
     if x2.is_cuda and weight.group_tile != (64, 64):
         raise ValueError(

@@ -636,8 +636,15 @@ def test_torch_compile_fullgraph():
 
 def test_bad_input_is_rejected_before_launch():
     q = LowBitWeight.quantize(torch.randn(64, 256, device="cuda").half(), 4, 128)
-    with pytest.raises(TypeError, match="bfloat16|float16"):
+    # (an eager call at small N leaves these to the op's C++ checks, which read as Python's do)
+    with pytest.raises(TypeError, match="x is torch.bfloat16 but the weight is torch.float16; cast x"):
         spinfer.lowbit_mm(torch.randn(2, 256, device="cuda").bfloat16(), q)
+    with pytest.raises(TypeError, match="bias is torch.float32 but x is torch.float16"):
+        spinfer.lowbit_mm(torch.randn(2, 256, device="cuda").half(), q, torch.zeros(64, device="cuda"))
+    with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
+        spinfer.lowbit_mm(torch.randn(2, 256, device="cuda").half(), q, torch.zeros(65, device="cuda").half())
+    with pytest.raises(ValueError, match="bias is on cpu"):
+        spinfer.lowbit_mm(torch.randn(2, 256, device="cuda").half(), q, torch.zeros(64).half())
     with pytest.raises(ValueError, match="256"):
         spinfer.lowbit_mm(torch.randn(2, 255, device="cuda").half(), q)
     with pytest.raises(ValueError, match="out must be"):

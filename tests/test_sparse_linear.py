@@ -236,6 +236,35 @@ def test_sparsify_bad_input():
 
 
 @pytest.mark.cuda
+def test_compile_reduce_overhead_decodes_in_cuda_graphs():
+    # The README advises decoding in CUDA graphs, torch.compile(mode="reduce-overhead") being one
+    # way: every format through Inductor and its CUDA-graph trees, with a split-K SMBD layer (whose
+    # arrival counters come from the capture reserve), against the same model run eagerly.
+    torch.manual_seed(0)
+
+    def scaled(m, k, sparsity):  # unit-variance outputs, so three layers stay far from fp16's range
+        lin = pruned_linear(m, k, sparsity)
+        with torch.no_grad():
+            lin.weight.div_(k ** 0.5)
+        return lin
+
+    model = nn.Sequential(
+        SparseLinear.from_linear(scaled(4096, 1024, 0.5), policy="sparse"), nn.ReLU(),
+        SparseLinear.from_linear(scaled(1024, 4096, 0.0), quant="w4", policy="lowbit"), nn.ReLU(),
+        SparseLinear.from_linear(scaled(1000, 1024, 0.0), policy="dense"),
+    ).cuda()
+    from spinfer.ops.spmm import spmm_plan
+    assert spmm_plan(model[0].weight_object(), 1)["splits"] > 1
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for step in range(5):  # warm-up, recording, then replays
+            x = torch.randn(1, 1, 1024, device="cuda").half()
+            eager = model(x)
+            y = compiled(x).clone()  # (a replay's output is overwritten by the next)
+            assert y.shape == (1, 1, 1000) and rel_err(y, eager) <= 1e-3, step
+
+
+@pytest.mark.cuda
 def test_cuda_dispatch_graphs_and_exactness():
     lin = pruned_linear(2048, 1024, 0.6).cuda()
     layer = SparseLinear.from_linear(lin, policy="auto").cuda()

@@ -48,8 +48,7 @@ struct Prepared {
 // Split-K arrival counters must be zero when a split launch starts, and every split launch
 // leaves them zero (the last block of a tile re-arms its counter, epilogue.cuh). So each
 // (device, stream) keeps one buffer, zeroed when it is allocated or grown: launches on a stream
-// run in order, and the caching allocator reuses a grown-out buffer only after the stream's
-// earlier work. A fresh at::zeros per call cost a fill kernel before every split launch, 2-3 us
+// run in order. A fresh at::zeros per call cost a fill kernel before every split launch, 2-3 us
 // of a 40 us layer.
 //
 // Under CUDA graph capture a launch must not share counters with eager launches or other graphs
@@ -64,52 +63,72 @@ struct Prepared {
 // still records the fill.
 constexpr int64_t kCaptureReserve = int64_t(1) << 20;  // counters, 4 MiB per device
 
-struct CaptureReserve {
-  at::Tensor counters;
-  int64_t used = 0;
+// Zeroed device memory for the life of the process, from cudaMalloc rather than torch's caching
+// allocator. While torch.compile(mode="reduce-overhead") warms a CUDA graph up, the allocator gives
+// that graph's private pool everything allocated on its stream, captured or not, and a buffer kept
+// from then on stayed in the pool: the CUDA-graph trees then refused to record ("tensor(s) in the
+// cudagraph pool not tracked as outputs"). Never freed: a grown-out buffer may still be read by
+// launches in flight, and its few bytes are not worth a synchronization.
+int32_t* lasting_zeros(int64_t n, cudaStream_t stream) {
+  void* p = nullptr;
+  C10_CUDA_CHECK(cudaMalloc(&p, n * sizeof(int32_t)));
+  C10_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(int32_t), stream));
+  return static_cast<int32_t*>(p);
+}
+
+struct Counters {
+  int32_t* ptr = nullptr;
+  int64_t size = 0;
 };
 
-at::Tensor arrival_counters(int64_t n, const at::TensorOptions& options) {
+// The counters of one split launch. `owned` keeps a capture's own zeroed counters (the fallback
+// above) alive for the launch.
+int32_t* arrival_counters(int64_t n, const at::TensorOptions& options, at::Tensor& owned) {
   static std::mutex mu;
-  // Leaked on purpose: tensors must not be freed by static destructors after CUDA shuts down.
-  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
-  static auto* reserves = new std::map<int, CaptureReserve>();
+  // Leaked on purpose, as the memory they name.
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, Counters>();
+  static auto* reserves = new std::map<int, Counters>();  // size: the slices taken
   const int device = options.device().index();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const std::lock_guard<std::mutex> lock(mu);
-  CaptureReserve& reserve = (*reserves)[device];
+  Counters& reserve = (*reserves)[device];
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
     const int64_t take = (n + 31) / 32 * 32;  // 128-byte aligned slices
-    if (reserve.counters.defined() && reserve.used + take <= reserve.counters.numel()) {
-      at::Tensor slice = reserve.counters.narrow(0, reserve.used, n);
-      reserve.used += take;
+    if (reserve.ptr != nullptr && reserve.size + take <= kCaptureReserve) {
+      int32_t* slice = reserve.ptr + reserve.size;
+      reserve.size += take;
       return slice;
     }
-    return at::zeros({n}, options.dtype(at::kInt));
+    owned = at::zeros({n}, options.dtype(at::kInt));
+    return owned.data_ptr<int32_t>();
   }
-  if (!reserve.counters.defined()) {
-    reserve.counters = at::zeros({kCaptureReserve}, options.dtype(at::kInt));
+  if (reserve.ptr == nullptr) {
+    reserve.ptr = lasting_zeros(kCaptureReserve, stream);
     // Zeroed before any graph can use it, whatever stream that graph is replayed on. Once per
     // device and process.
     C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  at::Tensor& t = (*buffers)[{device, stream}];
-  if (!t.defined() || t.numel() < n) t = at::zeros({std::max<int64_t>(n, 1024)}, options.dtype(at::kInt));
-  return t;
+  Counters& c = (*buffers)[{device, stream}];
+  if (c.size < n) {
+    c.size = std::max({n, int64_t(1024), 2 * c.size});
+    c.ptr = lasting_zeros(c.size, stream);
+  }
+  return c.ptr;
 }
 
 // Split-K scratch shared by the kernels' epilogue (epilogue.cuh): fp32 partial tiles (not
 // initialised: every split writes its whole tile) and the stream's arrival counters.
 struct SplitK {
-  at::Tensor workspace, counters;
+  at::Tensor workspace, owned;
+  int32_t* counters = nullptr;
   SplitK(int splits, int64_t floats, int64_t n_counters, const at::TensorOptions& options) {
     if (splits > 1) {
       workspace = at::empty({floats}, options.dtype(at::kFloat));
-      counters = arrival_counters(n_counters, options);
+      counters = arrival_counters(n_counters, options, owned);
     }
   }
   float* workspace_ptr() const { return workspace.defined() ? workspace.data_ptr<float>() : nullptr; }
-  int32_t* counters_ptr() const { return counters.defined() ? counters.data_ptr<int32_t>() : nullptr; }
+  int32_t* counters_ptr() const { return counters; }
 };
 
 // 16-byte cp.async needs 16-byte aligned bases; fresh allocations are, views may not be.
@@ -299,8 +318,9 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "x must be [N, ", k, "], got ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
                    "x must be float16 or bfloat16, got ", dtype_name(x.scalar_type()));
-  TORCH_CHECK_TYPE(scale_zero.scalar_type() == x.scalar_type(), "scale_zero is ", dtype_name(scale_zero.scalar_type()),
-                   " but x is ", dtype_name(x.scalar_type()));
+  TORCH_CHECK_TYPE(scale_zero.scalar_type() == x.scalar_type(), "x is ", dtype_name(x.scalar_type()),
+                   " but the weight is ", dtype_name(scale_zero.scalar_type()), "; cast x to ",
+                   dtype_name(scale_zero.scalar_type()));
   for (const at::Tensor* t : {&qweight, &scale_zero, const_cast<const at::Tensor*>(&out)})
     TORCH_CHECK_VALUE(t->device() == x.device(), "x is on ", x.device(), " but an array is on ", t->device());
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == m && out.is_contiguous(),
@@ -308,8 +328,9 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK_TYPE(out.scalar_type() == x.scalar_type(), "out is ", dtype_name(out.scalar_type()), " but x is ",
                    dtype_name(x.scalar_type()));
   if (bias) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == m && bias->device() == x.device(),
-                      "bias must be a [", m, "] tensor on ", x.device());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == m, "bias must have shape (", m, ",), got ",
+                      bias->sizes());
+    TORCH_CHECK_VALUE(bias->device() == x.device(), "bias is on ", bias->device(), " but x is on ", x.device());
     TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "bias is ", dtype_name(bias->scalar_type()), " but x is ",
                      dtype_name(x.scalar_type()));
   }

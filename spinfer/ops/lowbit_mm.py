@@ -140,9 +140,16 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     rows), or -1 for the balanced schedule (two blocks per SM, each an equal run of the layer's
     stages across row blocks); by default it is the one :func:`spinfer.tuning.tune_lowbit`
     measured best for this shape and N, or the planner's rule where none was tuned."""
-    x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias)
+    x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias, check=False)
     splits = check_splits(splits, balanced=True)
     m, k = weight.shape
+    grad = needs_input_grad(x2, bias)
+    # The eager fast path below leaves the checks of x and bias to lowbit_mm_out, which makes them
+    # in C++ (bindings.cpp), so a call pays for them once; every other path checks here.
+    fast = (out is None and x2.is_cuda and 0 < x2.shape[0] <= fused_max_n(weight.bits) and not grad
+            and not torch.compiler.is_compiling())
+    if not fast:
+        check_op_inputs(x2, weight.scale_zero, m, k, bias)
     build.load_for(x2)  # JIT-compiles the kernels on first use, then cached
     if splits is None:
         splits = tuning.lowbit_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
@@ -159,7 +166,6 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
             integer_zeros = weight.integer_zeros
     args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits,
             integer_zeros)
-    grad = needs_input_grad(x2, bias)
     if out is not None:
         if grad:  # as torch's own out= functions
             raise RuntimeError("lowbit_mm(): out= does not support automatic differentiation, but x or bias "
@@ -170,11 +176,10 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
         return out.view(*lead, m)
     if x2.shape[0] == 0 and not grad:  # (an empty batch that autograd follows goes through the op)
         return x.new_empty((*lead, m))
-    if x2.is_cuda and x2.shape[0] <= fused_max_n(weight.bits) and not grad and not torch.compiler.is_compiling():
-        # Eager fast path: the weight was checked when it was built and flatten_input checked
-        # x and bias, so go straight to the kernel (one dispatch instead of two, ~40 us less
-        # host time per call). Compiled graphs, and calls autograd will differentiate, keep the
-        # lowbit_mm op.
+    if fast:
+        # Eager fast path: the weight was checked when it was built, and the kernel's op checks x
+        # and bias, so go straight to it (one dispatch instead of two, ~40 us less host time per
+        # call). Compiled graphs, and calls autograd will differentiate, keep the lowbit_mm op.
         out = x2.new_empty((x2.shape[0], m))
         torch.ops.spinfer.lowbit_mm_out(*args, out=out)
         return out.view(*lead, m)

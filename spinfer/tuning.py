@@ -76,8 +76,12 @@ def _lowbit_key(device, weight, n: int) -> str:
 
 def _table_now() -> Dict[str, int]:
     """The table, read from the cache folder on first use and again when $SPINFER_CACHE changes.
-    Called on every spmm / lowbit_mm call: an environment lookup, no path or file work."""
+    Called on every spmm / lowbit_mm call: an environment lookup, no path or file work. Empty while
+    torch.compile traces, which cannot follow the file read (with fullgraph=True a model compiled
+    before any eager call failed there): compiled graphs take the kernels' split rule."""
     global _loaded_from
+    if torch.compiler.is_compiling():
+        return {}
     where = os.environ.get("SPINFER_CACHE", "")
     if _loaded_from != where:
         _table.clear()
@@ -88,14 +92,15 @@ def _table_now() -> Dict[str, int]:
 
 
 def spmm_splits(weight, n: int, device: torch.device) -> int:
-    """The tuned split-K factor for ``spinfer.spmm(x, weight)`` with N tokens, 0 if none."""
+    """The tuned split-K factor for ``spinfer.spmm(x, weight)`` with N tokens, 0 if none (and
+    while torch.compile traces: see _table_now)."""
     table = _table_now()
     return table.get(_spmm_key(device, weight, n), 0) if table else 0
 
 
 def lowbit_splits(weight, n: int, device: torch.device) -> int:
     """The tuned schedule for ``spinfer.lowbit_mm(x, weight)`` with N tokens: a split-K factor,
-    -1 for the balanced schedule, 0 if none."""
+    -1 for the balanced schedule, 0 if none (and while torch.compile traces: see _table_now)."""
     table = _table_now()
     return table.get(_lowbit_key(device, weight, n), 0) if table else 0
 

@@ -79,6 +79,24 @@ def test_table_lookup_persistence_and_clear(table, monkeypatch):
     assert not (table / "splits.json").exists()
 
 
+def test_compiled_graphs_take_the_split_rule(table, monkeypatch):
+    # torch.compile cannot trace the table's file read, which a model compiled before any eager
+    # call in its process met (fullgraph=True failed there): while tracing, the lookup finds nothing.
+    monkeypatch.setattr(tuning, "_device_key_cached", lambda device: "GPU-X|sm90|132")
+    enc = TCABME.from_dense(random_sparse((128, 256), 0.5, torch.float16))
+    dev = torch.device("cuda", 0)
+    tuning._record(tuning._spmm_key(dev, enc, 1), 6, save=True)
+    tuning._table.clear()
+    tuning._loaded_from = None  # as in a new process: the next eager lookup reads the file
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def traced(x):
+        return x + tuning.spmm_splits(enc, 1, dev)
+
+    assert torch.equal(traced(torch.zeros(2)), torch.zeros(2))
+    assert tuning.spmm_splits(enc, 1, dev) == 6  # eager calls still find it
+
+
 def test_corrupt_or_foreign_table_is_ignored(table, monkeypatch):
     monkeypatch.setattr(tuning, "_device_key_cached", lambda device: "GPU-X")
     enc = TCABME.from_dense(random_sparse((64, 64), 0.5, torch.float16))

@@ -26,7 +26,7 @@ namespace {
 constexpr int64_t kGt = 64;
 
 // A dtype as Python names it (torch.float16, not Half), so the checks here read like the Python
-// layer's: an eager CUDA call of spinfer.spmm leaves its x / bias checks to this file.
+// layer's: eager CUDA calls of spinfer.spmm and spinfer.lowbit_mm leave their x / bias checks here.
 std::string dtype_name(at::ScalarType t) {
   switch (t) {
     case at::kHalf: return "torch.float16";

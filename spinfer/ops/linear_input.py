@@ -27,7 +27,7 @@ def check_op_inputs(x, weight_like: torch.Tensor, m: int, k: int, bias) -> None:
 def flatten_input(x, weight, weight_type: type, weight_like: torch.Tensor, bias, check: bool = True):
     """Validate a public wrapper's arguments; returns ``(x2 [N, K] contiguous, lead shape)``.
     ``check=False`` leaves check_op_inputs to an op that makes the same checks itself (the CUDA
-    SpMM ops, in C++), so an eager call pays for them once."""
+    kernels' ops, in C++: bindings.cpp), so an eager call pays for them once."""
     if not isinstance(weight, weight_type):
         raise TypeError(f"weight must be a spinfer.{weight_type.__name__}, got {type(weight).__name__}")
     if not isinstance(x, torch.Tensor):

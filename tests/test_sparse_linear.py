@@ -121,6 +121,103 @@ def test_a_loaded_state_keeps_the_layers_dtype():
         b(x.half())
 
 
+def _expected(layer, x):
+    """The float64 product with the weight rebuilt from the layer's buffers as they are now."""
+    shape = (layer.out_features, layer.in_features)
+    if layer.format == "dense":
+        w = layer.weight
+    elif layer.format == "tca-bme":
+        w = spinfer.TCABME(layer.bitmap, layer.values, layer.gtile_offset, shape).to_dense()
+    else:
+        w = spinfer.LowBitWeight(layer.qweight, None, None, layer.weight_object().bits,
+                                 layer.weight_object().group_size, shape, layer.perm,
+                                 scale_zero=layer.scale_zero).dequantize()
+    out = x.double() @ w.double().t()
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+@pytest.mark.parametrize("policy", ["dense", "sparse", "lowbit"])
+def test_a_replaced_buffer_is_what_the_next_call_reads(policy):
+    # The layer caches the format object, its device and dtype, and its kernel choices between
+    # calls. Before, a buffer assigned after the first call (layer.values = t, or through
+    # _buffers as accelerate does) was not seen: the layer went on reading the old tensor.
+    quant = "w4" if policy == "lowbit" else None
+    layer = SparseLinear.from_linear(pruned_linear(128, 256, 0.5), policy=policy, quant=quant, group_size=64)
+    x = torch.randn(3, 256).half()
+    first = layer(x)
+    name = {"dense": "weight", "sparse": "values", "lowbit": "scale_zero"}[policy]
+    doubled = getattr(layer, name) * 2  # scales and zeros both doubled: (q - 2z) * 2s
+    setattr(layer, name, doubled)
+    assert getattr(layer, name) is doubled
+    out = layer(x)
+    assert rel_err(out, _expected(layer, x)) <= 2e-3
+    assert not torch.allclose(out, first)
+    layer._buffers["bias"] = torch.zeros_like(layer.bias)
+    layer._buffers[name] = doubled.clone()  # through the dict, bypassing nn.Module.__setattr__
+    assert rel_err(layer(x), _expected(layer, x)) <= 2e-3
+
+
+def test_a_replaced_bitmap_is_validated_and_its_row_table_remade():
+    a = SparseLinear.from_linear(pruned_linear(128, 256, 0.5, bias=False), policy="sparse")
+    b = SparseLinear.from_linear(pruned_linear(128, 256, 0.8, bias=False), policy="sparse")
+    x = torch.randn(2, 256).half()
+    a(x)
+    # The kernels trust the structure arrays: a bitmap that does not match the values and
+    # offsets would make them read out of bounds, so a change the layer did not make is
+    # validated before any kernel runs, and the error names the problem.
+    a.bitmap = b.bitmap.clone()
+    with pytest.raises(ValueError, match="popcount|GroupTile|values"):
+        a(x)
+    a.values, a.gtile_offset = b.values.clone(), b.gtile_offset.clone()
+    assert rel_err(a(x), b(x).double()) <= 1e-3
+    assert torch.equal(a.row_offset, b.row_offset) and a.sparsity == pytest.approx(b.sparsity)
+    # An in-place edit of a structure array is seen too (its version counter moves).
+    kept = a.bitmap[0].clone()
+    a.bitmap[0] = -1  # all 64 bits of one 8x8 tile: more nonzeros than its GroupTile's run
+    with pytest.raises(ValueError, match="GroupTile 0"):
+        a(x)
+    a.bitmap[0] = kept
+    assert rel_err(a(x), b(x).double()) <= 1e-3
+    a.values = None
+    with pytest.raises(TypeError, match="values must be a tensor"):
+        a(x)
+
+
+def test_a_replaced_buffer_of_another_dtype_changes_the_layers_dtype():
+    layer = SparseLinear.from_linear(pruned_linear(128, 256, 0.5, bias=False), policy="sparse")
+    x = torch.randn(2, 256)
+    ref = layer(x.half()).double()
+    layer.values = layer.values.bfloat16()
+    assert layer.weight_dtype == torch.bfloat16
+    assert rel_err(layer(x.bfloat16()), ref) < 1e-2
+    with pytest.raises(TypeError, match="float16 but the layer is torch.bfloat16"):
+        layer(x.half())
+
+
+def test_a_replaced_lowbit_permutation_is_validated():
+    w = torch.randn(64, 128).half()
+    layer = SparseLinear(spinfer.LowBitWeight.quantize(w, 4, 32))
+    x = torch.randn(2, 128).half()
+    layer(x)
+    perm = torch.randperm(128)
+    layer.perm = perm
+    assert rel_err(layer(x), _expected(layer, x)) <= 2e-3
+    perm[0] = perm[1]  # in place: no longer a permutation, which would index x out of range
+    with pytest.raises(ValueError, match="permutation"):
+        layer(x)
+
+
+def test_a_layer_pickled_before_the_cache_existed_still_runs():
+    import pickle
+
+    layer = SparseLinear.from_linear(pruned_linear(64, 128, 0.5), policy="sparse")
+    x = torch.randn(2, 128).half()
+    y = layer(x)
+    del layer.__dict__["_held"], layer.__dict__["_trusted"]  # as a layer pickled before them
+    old = pickle.loads(pickle.dumps(layer))
+    assert torch.equal(old(x), y) and old.sparsity == pytest.approx(0.5, abs=0.01)
+
+
 def test_dtype_and_device_conversions():
     layer = SparseLinear.from_linear(pruned_linear(256, 512, 0.5), policy="sparse")
     x = torch.randn(3, 512)

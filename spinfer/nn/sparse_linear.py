@@ -25,6 +25,40 @@ _QUANT_BITS = {"w8": 8, "w4": 4, "w2": 2}
 _KERNELS = {"dense": (P.DENSE,), "tca-bme": (P.SPMM, P.DECODE_DENSE), "lowbit": (P.LOWBIT,)}
 
 
+# The buffers each format's kernels read, and among them the structure arrays: those that say
+# where the values lie. The kernels trust the structure (a bitmap that disagrees with the
+# offsets, or a perm that is not a permutation, would make them read out of bounds), so a
+# structure the layer did not make or check itself is validated before the next launch.
+_ARRAYS = {"dense": ("weight",), "tca-bme": ("bitmap", "values", "gtile_offset", "row_offset"),
+           "lowbit": ("qweight", "scale_zero", "perm")}
+_STRUCTURE = {"dense": (), "tca-bme": ("bitmap", "gtile_offset", "row_offset"), "lowbit": ("perm",)}
+
+
+class _Held:
+    """What a layer derives from its buffers and keeps between calls (walking the buffers and
+    rebuilding the format object cost microseconds of host time a call, and eager decode is
+    host-bound: docs/policy.md), with the buffers it was derived from: their identities, and
+    the version counters of the structure arrays, so a buffer replaced by assignment (also
+    through ``_buffers``, as accelerate does) or a structure edited in place is seen."""
+
+    __slots__ = ("device", "where", "dtype", "weight", "arrays", "versions")
+
+    def __init__(self, arrays, versions, device=None, weight=None, dtype=None):
+        self.arrays = arrays  # ((name, tensor or None), ...)
+        self.versions = versions  # ((tensor, its _version), ...), the structure arrays
+        self.device, self.where, self.weight, self.dtype = device, str(device), weight, dtype
+
+    def matches(self, buffers) -> bool:
+        for name, t in self.arrays:
+            if buffers.get(name) is not t:
+                return False
+        if self.versions and not torch.compiler.is_compiling():  # (a traced _version is data)
+            for t, v in self.versions:
+                if t._version != v:
+                    return False
+        return True
+
+
 def _check_policy(policy: str) -> str:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -34,6 +68,11 @@ def _check_policy(policy: str) -> str:
 class SparseLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as dense, TCA-BME or low-bit. Build it with
     :meth:`from_linear` or :meth:`from_weight`."""
+
+    # (class defaults for layers pickled before these existed: derive on the first call, and
+    # trust the pickled buffers)
+    _held: Optional[_Held] = None
+    _trusted: Optional[_Held] = None
 
     def __init__(self, weight: Union[torch.Tensor, TCABME, LowBitWeight], bias: Optional[torch.Tensor] = None,
                  *, policy: str = "auto"):
@@ -70,8 +109,8 @@ class SparseLinear(nn.Module):
                 raise ValueError(f"bias must be a tensor of shape ({self.out_features},)")
             bias = bias.detach()
         self.register_buffer("bias", bias)
-        self._weight_obj = None  # format object rebuilt from the buffers, dropped by _apply
-        self._location = None  # (device, str(device), weight dtype) of the buffers, dropped by _apply
+        self._held = None  # derived from the buffers on the first call
+        self._trusted = self._snapshot()  # buffers the layer made or checked itself
         self._measured: Dict[tuple, Dict[str, float]] = {}  # autotune: (device, bucket) -> times
         self._choices: Dict[tuple, str] = {}  # (device, bucket) -> kernel, decided once
 
@@ -136,33 +175,71 @@ class SparseLinear(nn.Module):
             if isinstance(probe, torch.Tensor) and probe.dtype != torch.int64:
                 raise TypeError(f"this conversion would cast a {self.format} SparseLinear's integer arrays to "
                                 f"{probe.dtype}; use .half() or .bfloat16() to change its dtype")
-        self._weight_obj = None  # device or dtype changes: rebuild the format object lazily
-        self._location = None
         self._choices = {}
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self._held = None  # device or dtype changed: derive again, from converted trusted arrays
+        self._trusted = self._snapshot()
+        return out
 
     def weight_object(self):
         """The stored weight as a TCABME / LowBitWeight / dense tensor (on the module's device)."""
-        if self._weight_obj is None:
-            if self.format == "tca-bme":
-                gt_h, gt_w, max_run, nnz = self._aux
-                obj = TCABME(self.bitmap, self.values, self.gtile_offset, (self.out_features, self.in_features),
-                             (gt_h, gt_w), validate=False, max_run=max_run, row_offset=self.row_offset)
-                obj._nnz = nnz
-            elif self.format == "lowbit":
-                bits, g = self._aux[:2]
-                obj = LowBitWeight(self.qweight, None, None, bits, g, (self.out_features, self.in_features),
-                                   self.perm, scale_zero=self.scale_zero)
-            else:
-                obj = self.weight
-            self._weight_obj = obj
-        return self._weight_obj
+        return self._state().weight
+
+    def _snapshot(self) -> _Held:
+        buffers = self._buffers
+        arrays = tuple((name, buffers.get(name)) for name in _ARRAYS[self.format])
+        versions = tuple((t, t._version) for t in (buffers.get(n) for n in _STRUCTURE[self.format]) if t is not None)
+        return _Held(arrays, versions)
+
+    def _state(self) -> _Held:
+        held = self._held
+        if held is not None and held.matches(self._buffers):
+            return held
+        return self._derive()
+
+    def _derive(self) -> _Held:
+        """Rebuild the format object from the buffers. Buffers the layer did not make or check
+        itself (assigned, or a structure array edited in place) are validated first."""
+        now = self._snapshot()
+        for name, t in now.arrays:
+            if not isinstance(t, torch.Tensor) and not (name == "perm" and t is None):
+                raise TypeError(f"SparseLinear.{name} must be a tensor buffer, got {type(t).__name__}; "
+                                f"assign one with layer.{name} = tensor")
+        checked = self._trusted is None or self._trusted.matches(self._buffers)
+        shape = (self.out_features, self.in_features)
+        if self.format == "tca-bme":
+            gt_h, gt_w, max_run, nnz = self._aux
+            if checked:
+                weight = TCABME(self.bitmap, self.values, self.gtile_offset, shape, (gt_h, gt_w), validate=False,
+                                max_run=max_run, row_offset=self.row_offset)
+                weight._nnz = nnz
+            else:  # validated, and the row table remade from the bitmap
+                weight = TCABME(self.bitmap, self.values, self.gtile_offset, shape, (gt_h, gt_w))
+                self._buffers["row_offset"] = weight.row_offset
+                self._aux = (gt_h, gt_w, weight.max_run, weight.nnz)
+            dtype = weight.dtype
+        elif self.format == "lowbit":
+            bits, g = self._aux[:2]
+            weight = LowBitWeight(self.qweight, None, None, bits, g, shape, self.perm, scale_zero=self.scale_zero,
+                                  validate=not checked)
+            dtype = weight.scale_zero.dtype
+        else:
+            weight = self.weight
+            if weight.dim() != 2 or tuple(weight.shape) != shape or not weight.is_floating_point():
+                raise ValueError(f"SparseLinear.weight must be a float tensor of shape {shape}, "
+                                 f"got {weight.dtype} {tuple(weight.shape)}")
+            dtype = weight.dtype
+        if not checked:
+            self._choices = {}  # the nonzeros may have changed, and with them the best kernel
+        now = self._snapshot()  # (after a remade row table)
+        self._trusted = now
+        device = next(t for _, t in now.arrays if t is not None).device
+        self._held = _Held(now.arrays, now.versions, device, weight, dtype)
+        return self._held
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        if self.format == "tca-bme":
-            return self.values.dtype
-        return self.scale_zero.dtype if self.format == "lowbit" else self.weight.dtype
+        return self._state().dtype
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
@@ -170,6 +247,7 @@ class SparseLinear(nn.Module):
     @property
     def sparsity(self) -> float:
         if self.format == "tca-bme":
+            self._state()  # (counts the nonzeros of arrays assigned since the last call)
             return 1.0 - self._aux[3] / (self.out_features * self.in_features)
         if self.format == "dense":
             w = self.weight  # +0.0 only, as TCA-BME, in whatever float dtype the layer was given
@@ -194,25 +272,19 @@ class SparseLinear(nn.Module):
         return {kern: P.predict(kern, m, k, n, self.memory_bytes(), prof, ngt, bits) for kern in self.candidates()}
 
     def _device(self) -> torch.device:
-        return self._where()[0]
-
-    def _where(self):
-        """(device, str(device), weight_dtype) of the buffers, kept between calls (_apply drops
-        them): walking the module's buffers and naming the device cost ~3 us of host time a call,
-        and eager decode is host-bound (docs/policy.md)."""
-        if getattr(self, "_location", None) is None:  # (absent from layers pickled before it)
-            device = next(self.buffers()).device
-            self._location = (device, str(device), self.weight_dtype)
-        return self._location
+        return self._state().device
 
     def choose(self, n: int) -> str:
         """The kernel for a call with ``n`` tokens."""
+        return self._choose(n, self._state())
+
+    def _choose(self, n: int, held: _Held) -> str:
         kernels = self.candidates()
         if len(kernels) == 1:
             return kernels[0]
         if self.policy == "sparse":
             return P.SPMM
-        device, where, _ = self._where()
+        device, where = held.device, held.where
         if device.type != "cuda" and self.policy != "autotune":
             return P.DECODE_DENSE  # on the CPU the reference decodes anyway; skip its validation
         bucket = P.n_bucket(n)
@@ -227,7 +299,7 @@ class SparseLinear(nn.Module):
         if tracing:
             prof = P.DeviceProfile()
             m, k = self.out_features, self.in_features
-            w = self.weight_object()
+            w = held.weight
             ngt = w.geometry.num_group_tiles if self.format == "tca-bme" else 0
             times = {kern: P.predict(kern, m, k, bucket, self.memory_bytes(), prof, ngt) for kern in kernels}
             return min(times, key=times.get)
@@ -254,8 +326,8 @@ class SparseLinear(nn.Module):
         return least_of_rounds({kern: (lambda kern=kern: self._run(kern, x)) for kern in self.candidates()},
                                x.device, reps=10, max_seconds=2)
 
-    def _run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight_object()
+    def _run(self, kernel: str, x: torch.Tensor, w=None) -> torch.Tensor:
+        w = self.weight_object() if w is None else w
         if kernel == P.DENSE:
             return F.linear(x, w, self.bias)
         if kernel == P.SPMM:
@@ -267,11 +339,12 @@ class SparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
-        if x.dtype != self._where()[2]:
-            raise TypeError(f"x is {x.dtype} but the layer is {self.weight_dtype}; cast the input or the layer")
+        held = self._state()
+        if x.dtype != held.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer is {held.dtype}; cast the input or the layer")
         # Every kernel's wrapper takes leading dimensions as F.linear does, so x goes as it is:
         # one flatten, in the wrapper (eager decode is host-bound at batch 1; docs/policy.md).
-        return self._run(self.choose(x.numel() // self.in_features), x)
+        return self._run(self._choose(x.numel() // self.in_features, held), x, held.weight)
 
     def policy_report(self, print_it: bool = True) -> str:
         """Per N bucket: the chosen kernel, each candidate's predicted time and, if measured
@@ -321,9 +394,8 @@ class SparseLinear(nn.Module):
         state = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self._aux = tuple(int(v) for v in theirs[4:8])
-        self._weight_obj = None
-        self._location = None
         self._choices = {}
+        self._held = None
         if self.format == "tca-bme" and not error_msgs:
             # Untrusted arrays and metadata: TCABME validates the arrays, refuses a max_run that is
             # not their longest run (one below it would truncate runs on CUDA), and makes the row
@@ -332,6 +404,9 @@ class SparseLinear(nn.Module):
             loaded = TCABME(self.bitmap, self.values, self.gtile_offset, (self.out_features, self.in_features),
                             (gt_h, gt_w), max_run=max_run)
             self.row_offset = loaded.row_offset
+            self._trusted = self._snapshot()
+        # Otherwise the copies moved the arrays' version counters, so the next call checks them
+        # (a loaded perm, say, must be a permutation).
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "

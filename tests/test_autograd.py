@@ -116,6 +116,42 @@ def test_lowbit_out_refuses_autograd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["spmm_out", "lowbit_mm_out"])
+def test_the_out_ops_refuse_arguments_that_require_grad(device, op):
+    # As torch's own out= ops do. Before, a direct call ran: on CUDA out came back detached from
+    # the graph, so x silently got no gradient through it.
+    dense = spinfer.magnitude_prune(torch.randn(64, 128), 0.5).half()
+    if op == "spmm_out":
+        w = TCABME.from_dense(dense).to(device)
+        args = (w.bitmap, w.values, w.gtile_offset, 64, 128, 64, 64, w.max_run)
+        call = lambda x, b, out: torch.ops.spinfer.spmm_out(x, *args, b, 0, w.row_offset, out=out)
+        ref_w = w.to_dense()
+    else:
+        w = LowBitWeight.quantize(dense, 4, 64).to(device)
+        args = (w.qweight, w.scale_zero, 4, 64, 64, 128, None)
+        call = lambda x, b, out: torch.ops.spinfer.lowbit_mm_out(x, *args, b, 0, False, out=out)
+        ref_w = w.dequantize()
+    x = torch.randn(3, 128, device=device).half()
+    bias = torch.randn(64, device=device).half()
+    out = torch.full((3, 64), float("nan"), device=device).half()
+    for name, grad_x, grad_b, grad_out in (("x", True, False, False), ("bias", False, True, False),
+                                           ("out", False, False, True)):
+        with pytest.raises(RuntimeError, match=f"out=... arguments don't support automatic differentiation, but "
+                                               f"'{name}' requires grad"):
+            call(x.clone().requires_grad_(grad_x), bias.clone().requires_grad_(grad_b),
+                 out.clone().requires_grad_(grad_out))
+    assert bool(out.isnan().all())  # refused before any write
+    version = out._version
+    with torch.no_grad():
+        call(x.requires_grad_(), bias.requires_grad_(), out)
+    assert out._version > version and not out.requires_grad  # an in-place write, with no graph
+    ref = x.double() @ ref_w.double().t() + bias.double()
+    assert rel_err(out, ref) <= 2e-3
+    call(x.detach(), bias.detach(), out)  # grad mode on, nothing requires grad: runs
+    assert rel_err(out, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", ["dense", "sparse", "lowbit"])
 def test_sparse_linear_passes_gradients_to_the_layers_before_it(device, policy):
     """A frozen compressed base layer with a trainable layer in front (an adapter): the front

@@ -4,6 +4,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -466,8 +467,41 @@ at::Tensor lowbit_to_dense_cuda(const at::Tensor& qweight, const at::Tensor& sca
   return out;
 }
 
+// The Autograd kernel of the _out ops: they record no gradient, so as torch's own out= ops they
+// refuse an argument that requires one, then run below autograd and bump the buffer's version as
+// an in-place write. Before, nothing refused them, and out came back detached from the graph: x
+// got no gradient through it and nothing said so. A boxed kernel on the stack as it is: the eager
+// wrappers call these ops for their low host time, and it measured no slower per call (fifty-
+// eighth session). (spinfer/ops/library.py registers the same check for the CPU.)
+void out_op_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const auto args = torch::jit::last(*stack, n);
+  at::Tensor out;
+  for (size_t i = 0; i < n; ++i) {
+    if (!args[i].isTensor()) continue;  // ints, and an optional tensor left None
+    const at::Tensor& t = args[i].toTensor();
+    const std::string& name = schema.arguments()[i].name();
+    TORCH_CHECK(!(at::GradMode::is_enabled() && t.requires_grad()), schema.name(),
+                ": functions with out=... arguments don't support automatic differentiation, but '", name,
+                "' requires grad; call the differentiable op (spinfer.spmm / spinfer.lowbit_mm) or run under "
+                "torch.no_grad()");
+    if (name == "out") out = t;
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  if (out.defined()) out.unsafeGetTensorImpl()->bump_version();
+}
+
 }  // namespace
 }  // namespace spinfer
+
+TORCH_LIBRARY_IMPL(spinfer, Autograd, m) {
+  m.impl("spmm_out", torch::CppFunction::makeFromBoxedFunction<&spinfer::out_op_autograd>());
+  m.impl("lowbit_mm_out", torch::CppFunction::makeFromBoxedFunction<&spinfer::out_op_autograd>());
+}
 
 TORCH_LIBRARY_IMPL(spinfer, CUDA, m) {
   m.impl("tca_bme_to_dense", &spinfer::tca_bme_to_dense_cuda);

@@ -53,3 +53,36 @@ LIB.define("lowbit_plan(Tensor x, int m, int k, int bits, int group_size, int sp
 LIB.define("tca_bme_to_dense(Tensor bitmap, Tensor values, Tensor gtile_offset, int m, int k, int gt_h, int gt_w) "
            "-> Tensor")
 LIB.define("lowbit_to_dense(Tensor qweight, Tensor scale_zero, int bits, int group_size, int m, int k) -> Tensor")
+
+
+# The _out ops record no gradient. torch's own out= ops refuse inputs that require one, and so
+# do these. Before, nothing refused them: on CUDA out came back detached from the graph, so x got
+# no gradient through it and nothing said so (fifty-eighth session, on the H100); on the CPU the
+# reference's own torch ops happened to record one.
+# This is the CPU kernel of that check; spinfer/csrc/bindings.cpp registers the same check for
+# every other backend in C++, since the eager wrappers call the _out ops on CUDA for their low
+# host time and a Python kernel would add to it.
+def _out_grad_message(qualname: str, arg: str) -> str:
+    return (f"{qualname}: functions with out=... arguments don't support automatic differentiation, but "
+            f"'{arg}' requires grad; call the differentiable op (spinfer.spmm / spinfer.lowbit_mm) or run "
+            f"under torch.no_grad()")
+
+
+def _refuse_grad_through_out(name: str) -> None:
+    op = getattr(torch.ops.spinfer, name).default
+    arg_names = [a.name for a in op._schema.arguments]
+
+    def kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            for arg, value in zip(arg_names, (*args, *(kwargs.get(a) for a in arg_names[len(args):]))):
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    raise RuntimeError(_out_grad_message(f"spinfer::{name}", arg))
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+        torch.autograd.graph.increment_version(kwargs["out"])
+
+    LIB.impl(name, kernel, "AutogradCPU", with_keyset=True)
+
+
+for _name in ("spmm_out", "lowbit_mm_out"):
+    _refuse_grad_through_out(_name)

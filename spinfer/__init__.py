@@ -1,7 +1,7 @@
 """spinfer: pruned and low-bit LLM weights, faster than dense fp16 on NVIDIA GPUs."""
 
 from .format import TCABME
-from .ops import lowbit_mm, spmm
+from .ops import lowbit_mm, set_backward_band_bytes, spmm
 from .nn import SparseLinear, calibrate, load, save
 from .prune import magnitude_prune, sparsify
 from .quant import LowBitWeight
@@ -11,6 +11,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TCABME", "LowBitWeight", "SparseLinear", "calibrate", "load", "lowbit_mm", "save", "spmm", "magnitude_prune",
-    "sparsify", "tuning",
+    "set_backward_band_bytes", "sparsify", "tuning",
     "__version__",
 ]

@@ -63,6 +63,58 @@ def test_lowbit_input_gradients_with_act_order(device, bits, n):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_bounded_backward_decodes_a_large_weight_in_bands(device, dtype, request):
+    """With set_backward_band_bytes, backward decodes a larger weight a band of whole row tiles at
+    a time (slices of the arrays), summing the bands' products in fp32: the bands cover the rows
+    exactly, each is the matching rows of the full decode, and the gradients are F.linear's."""
+    from spinfer.ops.lowbit_mm import _lowbit_bands
+    from spinfer.ops.spmm import _tca_bme_bands
+
+    torch.manual_seed(2)
+    m, k = 300, 1000  # odd: the last band holds the padded rows
+    assert spinfer.set_backward_band_bytes(2 * k * 128 + 5) is None  # bands of 128 rows; the default decodes whole
+    request.addfinalizer(lambda: spinfer.set_backward_band_bytes(None))
+    w = random_sparse((m, k), 0.7, dtype).to(device)
+    w[5] = 1.5  # one dense row, and an empty GroupTile row
+    w[64:128] = 0.0
+    encs = {"tca-bme 64x64": TCABME.from_dense(w),
+            "tca-bme 32x64": TCABME.from_dense(w.cpu(), group_tile=(32, 64)).to(device) if device == "cpu" else None}
+    q = LowBitWeight.quantize(w, 4, None)  # per-channel: no group size divides K = 1000
+    for name, enc in encs.items():
+        if enc is None:  # (the CUDA kernels take 64x64 GroupTiles only)
+            continue
+        bands = list(_tca_bme_bands(enc.bitmap, enc.values, enc.gtile_offset, m, k, *enc.group_tile))
+        assert [(r0, r1) for r0, r1, _ in bands] == [(0, 128), (128, 256), (256, 300)], name
+        full = enc.to_dense()
+        for r0, r1, band in bands:
+            assert torch.equal(band, full[r0:r1]), (name, r0)
+        check_linear_grads(lambda x, b: spinfer.spmm(x, enc, b), w, (2, 7), k, m, dtype, device)
+    bands = list(_lowbit_bands(q.qweight, q.scale_zero, 4, q.group_size, m, k))
+    assert [(r0, r1) for r0, r1, _ in bands] == [(0, 128), (128, 256), (256, 300)]
+    full = q.dequantize()
+    for r0, r1, band in bands:
+        assert torch.equal(band, full[r0:r1]), r0
+    check_linear_grads(lambda x, b: spinfer.lowbit_mm(x, q, b), full, (3,), k, m, dtype, device)
+
+
+def test_backward_decodes_whole_unless_bounded_and_the_bound_is_checked():
+    from spinfer.ops.linear_input import band_rows
+
+    assert band_rows(28672, 8192, 64) == 28672  # the default: one decode, the fastest
+    for bad in (0, -1, True, 1.5, "64"):
+        with pytest.raises(ValueError, match="positive int or None"):
+            spinfer.set_backward_band_bytes(bad)
+    try:
+        spinfer.set_backward_band_bytes(1)  # below one tile: a tile of 64 rows each
+        assert band_rows(28672, 8192, 64) == 64
+        spinfer.set_backward_band_bytes(64 << 20)
+        assert band_rows(28672, 8192, 64) == 4096 and band_rows(1000, 8192, 64) == 1000
+    finally:
+        spinfer.set_backward_band_bytes(None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_calls_with_nothing_to_differentiate_build_no_graph(device):
     w = random_sparse((128, 256), 0.5, torch.float16).to(device)
     enc, q = TCABME.from_dense(w), LowBitWeight.quantize(w, 4, 128)

@@ -3,6 +3,8 @@ problem, and flattening of leading batch dimensions like ``torch.nn.functional.l
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -89,10 +91,54 @@ def wants_grad(ctx, index: int) -> bool:
     return index < len(needs) and bool(needs[index])
 
 
-def linear_input_grads(grad, dense_weight, needs_bias: bool):
-    """``F.linear``'s input gradients for ``y = x @ W.T + bias``: ``grad_x = grad @ W`` (``W`` from
-    ``dense_weight()``, a decode made only when x needs its gradient, else None) and ``grad_bias``,
-    the sum of ``grad`` over tokens."""
-    grad_x = grad @ dense_weight() if dense_weight is not None else None
+# Backward decodes the frozen weight for grad_x = grad @ W: by default all of it at once, as
+# bitsandbytes' 4-bit layers dequantize theirs, the fastest way. set_backward_band_bytes(n) bounds
+# that transient instead: a large weight is decoded a band of whole 64-row tiles at a time (both
+# formats store those contiguously, so a band is a slice of the arrays), at most n bytes of dense
+# weight each. Each band costs ~50-100 us of Python and launches, so bounding the memory costs
+# time: on a 28672x8192 fp16 layer (H100, docs/policy.md) 448 MiB in 0.58-0.60 ms against 129 MiB
+# in 0.61-0.95 ms with 128 MiB bands.
+_backward_band_bytes: Optional[int] = None
+
+
+def set_backward_band_bytes(nbytes: Optional[int]) -> Optional[int]:
+    """Bound the dense weight that backward through ``spmm`` / ``lowbit_mm`` decodes at once to
+    ``nbytes`` (bands of whole row tiles; at least one tile of 64 rows), or ``None`` (the default)
+    to decode it whole. Returns the previous setting."""
+    global _backward_band_bytes
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):
+        raise ValueError(f"nbytes must be a positive int or None, got {nbytes!r}")
+    previous, _backward_band_bytes = _backward_band_bytes, nbytes
+    return previous
+
+
+def band_rows(m: int, k: int, tile_rows: int) -> int:
+    """Rows of each backward band for a ``[m, k]`` weight: a multiple of ``tile_rows``, all of
+    ``m`` when no bound is set or the weight fits in it (and under torch.compile, where the
+    TCA-BME bands' bounds would be data-dependent)."""
+    budget = _backward_band_bytes
+    if budget is None or torch.compiler.is_compiling():
+        return m
+    rows = max(tile_rows, budget // (2 * k) // tile_rows * tile_rows)
+    return min(rows, m)
+
+
+def linear_input_grads(grad, m: int, k: int, decode_bands, needs_x: bool, needs_bias: bool):
+    """``F.linear``'s input gradients for ``y = x @ W.T + bias``: ``grad_x = grad @ W``, made only
+    when x needs it, from ``decode_bands()``, which yields ``(r0, r1, W[r0:r1])`` covering the
+    rows in order, and ``grad_bias``, the sum of ``grad`` over tokens. With more than one band the
+    products (cuBLAS, fp32 accumulation inside each) are summed in fp32, rounded once at the end."""
+    grad_x = None
+    if needs_x:
+        acc = None
+        for r0, r1, band in decode_bands():
+            if r0 == 0 and r1 == m:
+                grad_x = grad @ band
+                break
+            part = grad[:, r0:r1] @ band
+            acc = part.float() if acc is None else acc.add_(part)
+            del band, part  # before the next band is decoded: one band alive at a time
+        if grad_x is None:
+            grad_x = acc.to(grad.dtype)
     grad_bias = grad.sum(0) if needs_bias else None
     return grad_x, grad_bias

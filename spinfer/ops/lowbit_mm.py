@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import build, tuning
-from ..quant.lowbit import LowBitWeight, check_bits, dequantize
+from ..quant.lowbit import ROW_BLOCK, LowBitWeight, check_bits, dequantize
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import (check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
+from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
                            needs_input_grad, refuse_weight_grad, wants_grad)
 
 # Largest N served by the fused kernel, by bit width; above it the weight is decoded once
@@ -101,8 +101,9 @@ torch.library.impl("spinfer::lowbit_mm_out", "CPU")(_lowbit_mm_out_cpu)
 
 
 # Gradients flow to x and bias as through F.linear; the weight is frozen (spmm's op does the same).
-# Backward dequantizes it once (spinfer::lowbit_to_dense, in the stored column order) for
-# grad_x = grad_y @ W, and puts the act-order columns back where forward gathered them.
+# Backward dequantizes it (spinfer::lowbit_to_dense, in the stored column order; a large weight in
+# bands of 64-row tiles, linear_input.band_rows) for grad_x = grad_y @ W, and puts the act-order
+# columns back where forward gathered them.
 def _lowbit_mm_setup_context(ctx, inputs, output):
     x, qweight, scale_zero, bits, group_size, m, k, perm, bias, _splits, _integer_zeros = inputs
     refuse_weight_grad("lowbit_mm", scale_zero)
@@ -110,11 +111,23 @@ def _lowbit_mm_setup_context(ctx, inputs, output):
     ctx.spec = (bits, group_size, m, k)
 
 
+def _lowbit_bands(qweight, scale_zero, bits, group_size, m, k):
+    """(r0, r1, W[r0:r1]) over the weight's rows, in bands of whole 64-row tiles, the leading
+    dimension of both qweight and scale_zero."""
+    rows = band_rows(m, k, ROW_BLOCK)
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        t0, t1 = r0 // ROW_BLOCK, -(-r1 // ROW_BLOCK)
+        yield r0, r1, torch.ops.spinfer.lowbit_to_dense(qweight[t0:t1], scale_zero[t0:t1], bits, group_size,
+                                                        r1 - r0, k)
+
+
 def _lowbit_mm_backward(ctx, grad):
     qweight, scale_zero, perm = ctx.saved_tensors
     needs_x, needs_bias = wants_grad(ctx, 0), wants_grad(ctx, 8)
-    dense = (lambda: torch.ops.spinfer.lowbit_to_dense(qweight, scale_zero, *ctx.spec)) if needs_x else None
-    grad_x, grad_bias = linear_input_grads(grad, dense, needs_bias)
+    bits, group_size, m, k = ctx.spec
+    grad_x, grad_bias = linear_input_grads(grad, m, k, lambda: _lowbit_bands(qweight, scale_zero, *ctx.spec),
+                                           needs_x, needs_bias)
     if grad_x is not None and perm is not None:  # forward read x.index_select(1, perm)
         grad_x = torch.zeros_like(grad_x).index_add_(1, perm, grad_x)
     return grad_x, None, None, None, None, None, None, None, grad_bias, None, None

@@ -15,7 +15,7 @@ import torch
 from .. import build, tuning
 from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, decode, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import (check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
+from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
                            needs_input_grad, refuse_weight_grad, wants_grad)
 
 
@@ -63,8 +63,9 @@ torch.library.impl("spinfer::spmm_out", "CPU")(_spmm_out_cpu)
 
 
 # Gradients flow to x and bias as through F.linear; the weight is frozen. Backward decodes it to
-# dense once (spinfer::tca_bme_to_dense) for grad_x = grad_y @ W, as bitsandbytes' 4-bit layers
-# dequantize theirs: adapters trained over a pruned base model need nothing more.
+# dense (spinfer::tca_bme_to_dense) for grad_x = grad_y @ W, as bitsandbytes' 4-bit layers
+# dequantize theirs: adapters trained over a pruned base model need nothing more. A large weight
+# is decoded in bands of GroupTile rows (linear_input.band_rows), each a slice of the arrays.
 def _spmm_setup_context(ctx, inputs, output):
     x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, _max_run, bias, _splits, _row_offset = inputs
     refuse_weight_grad("spmm", values)
@@ -72,10 +73,30 @@ def _spmm_setup_context(ctx, inputs, output):
     ctx.geometry = (m, k, gt_h, gt_w)
 
 
+def _tca_bme_bands(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
+    """(r0, r1, W[r0:r1]) over the weight's rows, in bands of whole GroupTile rows: GroupTiles are
+    stored row-major, so a band's bitmap words, values and offsets are contiguous slices."""
+    rows = band_rows(m, k, gt_h)
+    if rows >= m:
+        yield 0, m, torch.ops.spinfer.tca_bme_to_dense(bitmap, values, gtile_offset, m, k, gt_h, gt_w)
+        return
+    per_row = -(-k // gt_w)  # GroupTiles in one GroupTile row
+    words = gt_h * gt_w // 64  # bitmap words in one GroupTile
+    starts = list(range(0, m, rows))
+    tiles = [r // gt_h * per_row for r in starts] + [gtile_offset.numel() - 1]
+    bounds = gtile_offset[tiles].tolist()  # one sync for every band's value range
+    for i, r0 in enumerate(starts):
+        r1 = min(m, r0 + rows)
+        g0, g1 = tiles[i], tiles[i + 1]
+        yield r0, r1, torch.ops.spinfer.tca_bme_to_dense(
+            bitmap[g0 * words:g1 * words], values[bounds[i]:bounds[i + 1]],
+            gtile_offset[g0:g1 + 1] - bounds[i], r1 - r0, k, gt_h, gt_w)
+
+
 def _spmm_backward(ctx, grad):
     needs_x, needs_bias = wants_grad(ctx, 0), wants_grad(ctx, 9)
-    dense = (lambda: torch.ops.spinfer.tca_bme_to_dense(*ctx.saved_tensors, *ctx.geometry)) if needs_x else None
-    grad_x, grad_bias = linear_input_grads(grad, dense, needs_bias)
+    grad_x, grad_bias = linear_input_grads(grad, *ctx.geometry[:2], lambda: _tca_bme_bands(*ctx.saved_tensors,
+                                           *ctx.geometry), needs_x, needs_bias)
     return grad_x, None, None, None, None, None, None, None, None, grad_bias, None, None
 
 

@@ -103,7 +103,7 @@ _backward_band_bytes: Optional[int] = None
 
 def set_backward_band_bytes(nbytes: Optional[int]) -> Optional[int]:
     """Bound the dense weight that backward through ``spmm`` / ``lowbit_mm`` decodes at once to
-    ``nbytes`` (bands of whole row tiles; at least one tile of 64 rows), or ``None`` (the default)
+    ``nbytes`` (bands of whole row tiles, at least one tile each), or ``None`` (the default)
     to decode it whole. Returns the previous setting."""
     global _backward_band_bytes
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):

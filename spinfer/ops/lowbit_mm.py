@@ -101,9 +101,9 @@ torch.library.impl("spinfer::lowbit_mm_out", "CPU")(_lowbit_mm_out_cpu)
 
 
 # Gradients flow to x and bias as through F.linear; the weight is frozen (spmm's op does the same).
-# Backward dequantizes it (spinfer::lowbit_to_dense, in the stored column order; a large weight in
-# bands of 64-row tiles, linear_input.band_rows) for grad_x = grad_y @ W, and puts the act-order
-# columns back where forward gathered them.
+# Backward dequantizes it (spinfer::lowbit_to_dense, in the stored column order; under
+# set_backward_band_bytes a large weight in bands of 64-row tiles) for grad_x = grad_y @ W, and puts
+# the act-order columns back where forward gathered them.
 def _lowbit_mm_setup_context(ctx, inputs, output):
     x, qweight, scale_zero, bits, group_size, m, k, perm, bias, _splits, _integer_zeros = inputs
     refuse_weight_grad("lowbit_mm", scale_zero)

@@ -64,8 +64,8 @@ torch.library.impl("spinfer::spmm_out", "CPU")(_spmm_out_cpu)
 
 # Gradients flow to x and bias as through F.linear; the weight is frozen. Backward decodes it to
 # dense (spinfer::tca_bme_to_dense) for grad_x = grad_y @ W, as bitsandbytes' 4-bit layers
-# dequantize theirs: adapters trained over a pruned base model need nothing more. A large weight
-# is decoded in bands of GroupTile rows (linear_input.band_rows), each a slice of the arrays.
+# dequantize theirs: adapters trained over a pruned base model need nothing more. Under
+# set_backward_band_bytes a large weight is decoded in bands of GroupTile rows, slices of the arrays.
 def _spmm_setup_context(ctx, inputs, output):
     x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, _max_run, bias, _splits, _row_offset = inputs
     refuse_weight_grad("spmm", values)

@@ -95,9 +95,9 @@ def wants_grad(ctx, index: int) -> bool:
 # bitsandbytes' 4-bit layers dequantize theirs, the fastest way. set_backward_band_bytes(n) bounds
 # that transient instead: a large weight is decoded a band of whole 64-row tiles at a time (both
 # formats store those contiguously, so a band is a slice of the arrays), at most n bytes of dense
-# weight each. Each band costs ~50-100 us of Python and launches, so bounding the memory costs
-# time: on a 28672x8192 fp16 layer (H100, docs/policy.md) 448 MiB in 0.58-0.60 ms against 129 MiB
-# in 0.61-0.95 ms with 128 MiB bands.
+# weight each. Each band costs Python and launches, so bounding the memory costs time: on a
+# 28672x8192 fp16 layer (H100, docs/policy.md) 448 MiB in 0.51-0.61 ms whole, 129 MiB in
+# 0.59-0.70 ms with 128 MiB bands.
 _backward_band_bytes: Optional[int] = None
 
 

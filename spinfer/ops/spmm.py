@@ -75,22 +75,26 @@ def _spmm_setup_context(ctx, inputs, output):
 
 def _tca_bme_bands(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
     """(r0, r1, W[r0:r1]) over the weight's rows, in bands of whole GroupTile rows: GroupTiles are
-    stored row-major, so a band's bitmap words, values and offsets are contiguous slices."""
+    stored row-major, so a band's bitmap words and offsets are contiguous slices. The CUDA decoder
+    reads each run at its offset into ``values`` as given (clamped to its length), so a band
+    passes all of ``values`` and its own offsets, with no sync; the CPU reference wants runs that
+    start at 0, so there a band's values are sliced and its offsets rebased."""
     rows = band_rows(m, k, gt_h)
-    if rows >= m:
-        yield 0, m, torch.ops.spinfer.tca_bme_to_dense(bitmap, values, gtile_offset, m, k, gt_h, gt_w)
-        return
     per_row = -(-k // gt_w)  # GroupTiles in one GroupTile row
     words = gt_h * gt_w // 64  # bitmap words in one GroupTile
-    starts = list(range(0, m, rows))
-    tiles = [r // gt_h * per_row for r in starts] + [gtile_offset.numel() - 1]
-    bounds = gtile_offset[tiles].tolist()  # one sync for every band's value range
-    for i, r0 in enumerate(starts):
+    for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
-        g0, g1 = tiles[i], tiles[i + 1]
-        yield r0, r1, torch.ops.spinfer.tca_bme_to_dense(
-            bitmap[g0 * words:g1 * words], values[bounds[i]:bounds[i + 1]],
-            gtile_offset[g0:g1 + 1] - bounds[i], r1 - r0, k, gt_h, gt_w)
+        g0, g1 = r0 // gt_h * per_row, -(-r1 // gt_h) * per_row
+        if rows >= m:
+            band_bitmap, band_values, band_offsets = bitmap, values, gtile_offset
+        elif values.is_cuda:
+            band_bitmap, band_values, band_offsets = bitmap[g0 * words:g1 * words], values, gtile_offset[g0:g1 + 1]
+        else:
+            v0, v1 = int(gtile_offset[g0]), int(gtile_offset[g1])
+            band_bitmap, band_values = bitmap[g0 * words:g1 * words], values[v0:v1]
+            band_offsets = gtile_offset[g0:g1 + 1] - v0
+        yield r0, r1, torch.ops.spinfer.tca_bme_to_dense(band_bitmap, band_values, band_offsets, r1 - r0, k, gt_h,
+                                                         gt_w)
 
 
 def _spmm_backward(ctx, grad):

@@ -123,16 +123,17 @@ def band_rows(m: int, k: int, tile_rows: int) -> int:
     return min(rows, m)
 
 
-def linear_input_grads(grad, m: int, k: int, decode_bands, needs_x: bool, needs_bias: bool):
-    """``F.linear``'s input gradients for ``y = x @ W.T + bias``: ``grad_x = grad @ W``, made only
-    when x needs it, from ``decode_bands()``, which yields ``(r0, r1, W[r0:r1])`` covering the
-    rows in order, and ``grad_bias``, the sum of ``grad`` over tokens. With more than one band the
-    products (cuBLAS, fp32 accumulation inside each) are summed in fp32, rounded once at the end."""
+def linear_input_grads(grad, decode_bands, needs_x: bool, needs_bias: bool):
+    """``F.linear``'s input gradients for ``y = x @ W.T + bias`` with ``grad`` ``[N, M]``:
+    ``grad_x = grad @ W``, made only when x needs it, from ``decode_bands()``, which yields
+    ``(r0, r1, W[r0:r1])`` covering the M rows in order, and ``grad_bias``, the sum of ``grad``
+    over tokens. With more than one band the products (cuBLAS, fp32 accumulation inside each) are
+    summed in fp32, rounded once at the end."""
     grad_x = None
     if needs_x:
         acc = None
         for r0, r1, band in decode_bands():
-            if r0 == 0 and r1 == m:
+            if r0 == 0 and r1 == grad.shape[1]:
                 grad_x = grad @ band
                 break
             part = grad[:, r0:r1] @ band

@@ -125,9 +125,8 @@ def _lowbit_bands(qweight, scale_zero, bits, group_size, m, k):
 def _lowbit_mm_backward(ctx, grad):
     qweight, scale_zero, perm = ctx.saved_tensors
     needs_x, needs_bias = wants_grad(ctx, 0), wants_grad(ctx, 8)
-    bits, group_size, m, k = ctx.spec
-    grad_x, grad_bias = linear_input_grads(grad, m, k, lambda: _lowbit_bands(qweight, scale_zero, *ctx.spec),
-                                           needs_x, needs_bias)
+    grad_x, grad_bias = linear_input_grads(grad, lambda: _lowbit_bands(qweight, scale_zero, *ctx.spec), needs_x,
+                                           needs_bias)
     if grad_x is not None and perm is not None:  # forward read x.index_select(1, perm)
         grad_x = torch.zeros_like(grad_x).index_add_(1, perm, grad_x)
     return grad_x, None, None, None, None, None, None, None, grad_bias, None, None
@@ -140,8 +139,8 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
               *, out: Optional[torch.Tensor] = None, splits: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a :class:`LowBitWeight` ``W [M, K]``; like
     ``torch.nn.functional.linear``. Output dtype is ``x.dtype`` (fp32 accumulation).
-    Differentiable in ``x`` and ``bias`` (backward dequantizes the weight once; not with ``out``);
-    the weight itself is frozen.
+    Differentiable in ``x`` and ``bias`` (backward dequantizes the weight once, or in bands of rows
+    under :func:`spinfer.set_backward_band_bytes`; not with ``out``); the weight itself is frozen.
 
     One token (1 and 2 bits at group sizes >= 64, 4 bits at >= 128, 8 bits at >= 64; any K) runs
     the GEMV kernel instead of the fused one (``lowbit_plan(weight, 1)["gemv"]``; docs/quant.md).

@@ -99,8 +99,8 @@ def _tca_bme_bands(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
 
 def _spmm_backward(ctx, grad):
     needs_x, needs_bias = wants_grad(ctx, 0), wants_grad(ctx, 9)
-    grad_x, grad_bias = linear_input_grads(grad, *ctx.geometry[:2], lambda: _tca_bme_bands(*ctx.saved_tensors,
-                                           *ctx.geometry), needs_x, needs_bias)
+    grad_x, grad_bias = linear_input_grads(grad, lambda: _tca_bme_bands(*ctx.saved_tensors, *ctx.geometry),
+                                           needs_x, needs_bias)
     return grad_x, None, None, None, None, None, None, None, None, grad_bias, None, None
 
 
@@ -111,8 +111,8 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
          splits: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a TCA-BME weight ``W [M, K]``; like
     ``torch.nn.functional.linear``.  Output dtype is ``x.dtype`` (fp32 accumulation).
-    Differentiable in ``x`` and ``bias`` (backward decodes the weight to dense once); the weight
-    itself is frozen.
+    Differentiable in ``x`` and ``bias`` (backward decodes the weight to dense once, or in bands
+    of rows under :func:`spinfer.set_backward_band_bytes`); the weight itself is frozen.
 
     ``splits`` sets the CUDA kernel's split-K factor; by default it is the one
     :func:`spinfer.tuning.tune_spmm` measured best for this shape and N, or the planner's rule

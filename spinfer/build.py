@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ["bindings.cpp", "spmm_smbd.cu", "spmm_smbd_fp16.cu", "spmm_smbd_bf16.cu", "lowbit_mm.cu", "to_dense.cu"] + [
+SOURCES = ["bindings.cpp", "eager.cpp", "spmm_smbd.cu", "spmm_smbd_fp16.cu", "spmm_smbd_bf16.cu", "lowbit_mm.cu", "to_dense.cu"] + [
     f"lowbit_mm_{dt}_{bits}.cu" for dt in ("fp16", "bf16") for bits in (1, 2, 4, 8)
 ]
 CUDA_FLAGS = [  # no -std: torch adds the one its headers need (C++20 for torch 2.10+)
@@ -37,6 +37,7 @@ CUDA_FLAGS = [  # no -std: torch adds the one its headers need (C++20 for torch 
 ]
 
 _loaded = False
+_module = None  # the extension's Python module: the eager entry points (csrc/eager.h)
 
 
 def _source_hash() -> str:
@@ -153,6 +154,15 @@ def is_loaded() -> bool:
     return _loaded
 
 
+def eager_module():
+    """The extension's Python module, compiled and loaded on first use: ``spmm`` and ``lowbit_mm``
+    run the CUDA kernels without the dispatcher, for eager calls that need nothing it adds
+    (spinfer/csrc/eager.h; :func:`spinfer.ops.linear_input.direct_call_ok` says when)."""
+    if _module is None:
+        load_extension()
+    return _module
+
+
 def load_for(t: torch.Tensor) -> bool:
     """Whether ``t`` is on a CUDA device, compiling (once) and loading the kernels first if so: the
     public wrappers call it on their first GPU call. Not while torch.compile traces (a compiled
@@ -164,7 +174,7 @@ def load_for(t: torch.Tensor) -> bool:
 
 def load_extension(verbose: bool = False) -> None:
     """Compile (once) and load the CUDA kernels, registering the ops' CUDA implementations."""
-    global _loaded
+    global _loaded, _module
     if _loaded:
         return
     if torch.version.cuda is None:
@@ -174,14 +184,14 @@ def load_extension(verbose: bool = False) -> None:
     build_dir = cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     with _env("CXX", _chosen_compiler(build_dir)):
-        load(
+        _module = load(
             name=f"spinfer_cuda_{build_dir.name.split('-')[1]}",
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=["-O3"],  # torch picks the C++ standard its headers need
             extra_cuda_cflags=CUDA_FLAGS,
             extra_include_paths=[str(CSRC)],
             build_directory=str(build_dir),
-            is_python_module=False,
+            is_python_module=True,  # (the ops register as the module loads)
             verbose=verbose,
         )
     _loaded = True

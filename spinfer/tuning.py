@@ -34,6 +34,7 @@ MIN_GAIN = 0.02
 
 _table: Dict[str, int] = {}
 _loaded_from: Optional[str] = None  # the $SPINFER_CACHE value the table was read under ("" unset)
+_generation = 0  # bumped whenever the table may have changed (see generation)
 _device_keys: Dict[int, str] = {}
 
 
@@ -74,16 +75,24 @@ def _lowbit_key(device, weight, n: int) -> str:
     return f"{_device_key_cached(device)}|lowbit{weight.bits}g{weight.group_size}|{m}x{k}|T{bn}x{tiles}"
 
 
+def generation() -> int:
+    """A number that changes whenever the table may have: a factor tuned, the table cleared or read
+    again. SparseLinear keeps each token count's launch between calls and looks the factor up again
+    when this moves."""
+    return _generation
+
+
 def _table_now() -> Dict[str, int]:
     """The table, read from the cache folder on first use and again when $SPINFER_CACHE changes.
     Called on every spmm / lowbit_mm call: an environment lookup, no path or file work. Empty while
     torch.compile traces, which cannot follow the file read (with fullgraph=True a model compiled
     before any eager call failed there): compiled graphs take the kernels' split rule."""
-    global _loaded_from
+    global _loaded_from, _generation
     if torch.compiler.is_compiling():
         return {}
     where = os.environ.get("SPINFER_CACHE", "")
     if _loaded_from != where:
+        _generation += 1
         _table.clear()
         _table.update({k: v for k, v in read_all(_FILE).items()
                        if isinstance(v, int) and not isinstance(v, bool) and v >= (-1 if "|lowbit" in k else 0)})
@@ -106,7 +115,9 @@ def lowbit_splits(weight, n: int, device: torch.device) -> int:
 
 
 def _record(key: str, splits: int, save: bool) -> None:
+    global _generation
     _table_now()[key] = splits
+    _generation += 1
     if save:
         write_entry(_FILE, key, splits)
 
@@ -166,8 +177,9 @@ def tune_lowbit(weight, ns: Iterable[int] = (1, 8, 16, 32), *, candidates=LOWBIT
 
 def clear(*, saved: bool = False) -> None:
     """Forget the tuned factors of this process (and with ``saved=True`` the cache file's)."""
-    global _loaded_from
+    global _loaded_from, _generation
     _table.clear()
+    _generation += 1
     _loaded_from = os.environ.get("SPINFER_CACHE", "")  # do not re-read the file
     if saved:
         (cache_root() / _FILE).unlink(missing_ok=True)

@@ -34,3 +34,46 @@ def run_direct_op_calls(code: str) -> str:
                      "found no other (it warns; set CXX; docs/kernels.md)")
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
+
+
+class CountingEntryPoints:
+    """Stands in for the extension's Python module (spinfer.build._module) and records which of its
+    eager entry points ran: the wrappers go past the dispatcher through them (csrc/eager.h)."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def call(*args):
+            self.calls.append(name)
+            return fn(*args)
+
+        return call
+
+
+def count_entry_point_calls(monkeypatch) -> CountingEntryPoints:
+    import spinfer
+
+    counting = CountingEntryPoints(spinfer.build.eager_module())
+    monkeypatch.setattr(spinfer.build, "_module", counting)
+    return counting
+
+
+def seen_ops(fn):
+    """The names of the ops a TorchDispatchMode sees while ``fn()`` runs, and its result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        out = fn()
+    return mode.names, out

@@ -454,3 +454,16 @@ def test_lowbit_summary_names_the_targets_dtype(capsys):
     print_summary(rows)
     out = capsys.readouterr().out
     assert "x cuBLAS fp16" in out and "  target >= 3.3x: MISSED" in out and "fp16 target" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the test below")
+def test_bench_host_says_it_needs_a_gpu(capsys):
+    assert bench_main(["host"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_bench_host_reports_every_call_against_f_linear(capsys):
+    assert bench_main(["host", "--rounds", "1", "--reps", "20"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.endswith("x F.linear")]
+    assert len(rows) == 9 and "1.00x F.linear" in rows[0] and any("SparseLinear w4" in r for r in rows)

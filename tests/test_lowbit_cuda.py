@@ -9,7 +9,7 @@ import torch
 import spinfer
 from spinfer.ops.lowbit_mm import fused_max_n, lowbit_plan
 from spinfer.quant import LowBitWeight
-from tests.conftest import rel_err
+from tests.conftest import count_entry_point_calls, rel_err, seen_ops
 from tests.test_lowbit import random_gptq
 
 pytestmark = pytest.mark.cuda
@@ -632,6 +632,28 @@ def test_torch_compile_fullgraph():
 
     x = torch.randn(3, 512, device="cuda").half()
     assert rel_err(f(x), torch.relu(reference(x, q)) + 1) <= 2e-3
+
+
+def test_eager_calls_go_past_the_dispatcher_only_where_it_adds_nothing(monkeypatch):
+    """As for spmm (tests/test_spmm_cuda.py): the fused kernel's entry point for an eager call in
+    its range of N, the op for a dispatch mode, an x that autograd follows, out= and the N that
+    decode + cuBLAS serves."""
+    q = LowBitWeight.quantize(torch.randn(300, 512, device="cuda").half(), 4, 128)
+    b = torch.randn(300, device="cuda").half()
+    x = torch.randn(2, 3, 512, device="cuda").half()
+    op = torch.ops.spinfer.lowbit_mm(x.reshape(6, 512), q.qweight, q.scale_zero, 4, 128, 300, 512, None, b, 0,
+                                     q.integer_zeros).view(2, 3, 300)
+    counting = count_entry_point_calls(monkeypatch)
+    y = spinfer.lowbit_mm(x, q, b)
+    assert counting.calls == ["lowbit_mm"] and torch.equal(y, op) and rel_err(y, reference(x, q, b)) <= 2e-3
+    names, y = seen_ops(lambda: spinfer.lowbit_mm(x, q, b))
+    assert "spinfer.lowbit_mm.default" in names and torch.equal(y, op)
+    y = spinfer.lowbit_mm(x.clone().requires_grad_(), q, b)
+    assert y.grad_fn is not None and torch.equal(y.detach(), op)
+    spinfer.lowbit_mm(x, q, b, out=torch.empty(6, 300, device="cuda").half())
+    big = torch.randn(fused_max_n(4) + 1, 512, device="cuda").half()
+    assert rel_err(spinfer.lowbit_mm(big, q, b), reference(big, q, b)) <= 2e-3
+    assert counting.calls == ["lowbit_mm"]
 
 
 def test_bad_input_is_rejected_before_launch():

@@ -9,7 +9,7 @@ import spinfer
 from spinfer.nn import SparseLinear
 from spinfer.nn import policy as P
 from spinfer.prune import nm_mask, wanda_scores
-from tests.conftest import rel_err
+from tests.conftest import count_entry_point_calls, rel_err, seen_ops
 
 
 def pruned_linear(m, k, sparsity, dtype=torch.float16, bias=True):
@@ -381,6 +381,75 @@ def test_cuda_dispatch_graphs_and_exactness():
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(y, x.double() @ lin.weight.double().t() + lin.bias.double()) <= 2e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["sparse", "lowbit"])
+def test_eager_launches_are_kept_per_token_count_and_made_again_when_stale(policy, monkeypatch):
+    """An eager call keeps its N's kernel call (entry point and arguments) and goes straight to the
+    kernel on the next; a tuned split-K factor, and for low-bit an in-place edit of the zeros (the
+    unchecked integer-zero decode would then be wrong), make it again. The bias is read on every call."""
+    from spinfer import tuning
+    from tests.test_lowbit_cuda import reference
+
+    lin = pruned_linear(300, 512, 0.5).cuda()
+    layer = SparseLinear.from_linear(lin, quant="w4" if policy == "lowbit" else None, policy=policy).cuda()
+    w = layer.weight_object()
+    splits_at = 6 if policy == "sparse" else 7  # in the launch's arguments
+
+    def expected(x):
+        if policy == "lowbit":
+            return reference(x, w, layer.bias)
+        return x.double() @ lin.weight.double().t() + layer.bias.double()
+
+    counting = count_entry_point_calls(monkeypatch)
+    entry = "spmm" if policy == "sparse" else "lowbit_mm"
+    with torch.no_grad():
+        for n in (1, 5, 1):
+            x = torch.randn(n, 512, device="cuda").half()
+            assert rel_err(layer(x), expected(x)) <= 2e-3, n
+        launches = layer._held.launches
+        assert counting.calls == [entry] * 3 and set(launches) == {1, 5}
+        first = launches[1]
+        layer.bias = torch.randn(300, device="cuda").half()  # a new bias, the same launch
+        assert rel_err(layer(x), expected(x)) <= 2e-3 and layer._held.launches[1] is first
+
+        key = (tuning._spmm_key if policy == "sparse" else tuning._lowbit_key)(x.device, w, 1)
+        try:
+            tuning._record(key, 2, save=False)
+            assert rel_err(layer(x), expected(x)) <= 2e-3
+            assert layer._held.launches[1] is not first and layer._held.launches[1].args[splits_at] == 2
+        finally:
+            tuning.clear()
+        assert rel_err(layer(x), expected(x)) <= 2e-3 and layer._held.launches[1].args[splits_at] == 0
+
+        if policy == "lowbit":
+            assert layer._held.launches[1].args[-1] is True  # RTN zeros are integers
+            layer.scale_zero[..., 1].add_(0.375)  # fractional, in place
+            assert rel_err(layer(x), expected(x)) <= 2e-3 and layer._held.launches[1].args[-1] is False
+            big = torch.randn(200, 512, device="cuda").half()  # above the fused kernel: decode + cuBLAS
+            assert rel_err(layer(big), expected(big)) <= 2e-3 and layer._held.launches[200] is None
+
+        names, y = seen_ops(lambda: layer(x))  # a dispatch mode sees the op
+        assert f"spinfer.{entry}.default" in names and rel_err(y, expected(x)) <= 2e-3
+    calls = len(counting.calls)
+    xg = x.clone().requires_grad_()
+    y = layer(xg)
+    y.float().sum().backward()
+    assert len(counting.calls) == calls and xg.grad is not None and rel_err(y, expected(x)) <= 2e-3
+
+
+@pytest.mark.cuda
+def test_a_dense_layer_keeps_no_launch_and_reads_its_buffers_on_every_call():
+    lin = pruned_linear(300, 512, 0.0).cuda()
+    layer = SparseLinear.from_linear(lin, policy="dense").cuda()
+    x = torch.randn(3, 512, device="cuda").half()
+    with torch.no_grad():
+        assert torch.equal(layer(x), lin(x)) and layer._held.launches[3] is None
+        layer.bias = torch.randn(300, device="cuda").half()
+        assert torch.equal(layer(x), F.linear(x, lin.weight, layer.bias))
+        layer.weight.mul_(2)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 def test_save_load_whole_model(tmp_path):

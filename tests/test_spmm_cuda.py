@@ -11,7 +11,7 @@ import torch
 import spinfer
 from spinfer.format import TCABME
 from spinfer.ops.spmm import PLAN_FIELDS, spmm_plan
-from tests.conftest import rel_err, run_direct_op_calls
+from tests.conftest import count_entry_point_calls, rel_err, run_direct_op_calls, seen_ops
 from tests.test_tca_bme import random_sparse
 
 pytestmark = pytest.mark.cuda
@@ -503,6 +503,36 @@ def test_wrapper_batch_dims_noncontiguous_and_empty():
     xo = torch.randn(1, 201, device="cuda").bfloat16()[:, 1:]  # misaligned storage offset
     assert rel_err(spinfer.spmm(xo, enc), xo.double() @ w.double().t()) <= 1e-2
     assert spinfer.spmm(torch.randn(0, 200, device="cuda").bfloat16(), enc).shape == (0, 96)
+
+
+def test_eager_calls_go_past_the_dispatcher_only_where_it_adds_nothing(monkeypatch):
+    """An eager call with nothing for the dispatcher to do runs the kernel through the extension's
+    entry point (csrc/eager.h), bit for bit the op's result; a dispatch mode, a torch function
+    mode or an x that autograd follows takes the op, and the mode sees it. The profiler still
+    names the call."""
+    w = random_sparse((300, 520), 0.6, torch.float16, device="cuda")
+    enc = TCABME.from_dense(w)
+    b = torch.randn(300, device="cuda").half()
+    x = torch.randn(2, 3, 520, device="cuda").half()
+    ref = x.double() @ w.double().t() + b.double()
+    op = torch.ops.spinfer.spmm(x.reshape(6, 520), enc.bitmap, enc.values, enc.gtile_offset, 300, 520, 64, 64,
+                                enc.max_run, b, 0, enc.row_offset).view(2, 3, 300)
+    counting = count_entry_point_calls(monkeypatch)
+    y = spinfer.spmm(x, enc, b)
+    assert counting.calls == ["spmm"] and y.shape == (2, 3, 300) and torch.equal(y, op)
+    assert rel_err(y, ref) <= 2e-3
+    names, y = seen_ops(lambda: spinfer.spmm(x, enc, b))
+    assert counting.calls == ["spmm"] and "spinfer.spmm.default" in names and torch.equal(y, op)
+    with torch.device("cuda"):  # a torch function mode
+        assert torch.equal(spinfer.spmm(x, enc, b), op) and counting.calls == ["spmm"]
+    xg = x.clone().requires_grad_()
+    y = spinfer.spmm(xg, enc, b)
+    assert y.grad_fn is not None and counting.calls == ["spmm"] and torch.equal(y.detach(), op)
+    with torch.no_grad():
+        assert torch.equal(spinfer.spmm(xg, enc, b), op) and counting.calls == ["spmm", "spmm"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        spinfer.spmm(x, enc, b)
+    assert "spinfer::spmm" in [e.name for e in prof.events()] and counting.calls[-1] == "spmm"
 
 
 def test_cuda_graph_capture():

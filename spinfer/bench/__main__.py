@@ -1,5 +1,5 @@
-"""``spinfer bench {spmm,lowbit,to_dense,e2e,policy,compression,roofline}``: run a study, print its table, and write CSV and
-PNG files into a results folder.
+"""``spinfer bench {spmm,lowbit,to_dense,e2e,policy,host,compression,roofline}``: run a study, print
+its table, and write CSV and PNG files into a results folder.
 
     spinfer bench compression [--shape 4096x4096] [--quick] [--out results]
     spinfer bench roofline --csv results/spmm.csv [--lowbit-csv results/lowbit.csv]
@@ -9,6 +9,7 @@ PNG files into a results folder.
     spinfer bench to_dense [--quick] [--csv results/to_dense.csv]  (needs a CUDA GPU)
     spinfer bench e2e [--layers 4] [--batches 1,8,16]              (CUDA; --tiny --device cpu smoke run)
     spinfer bench policy [--calibrate]                             (needs a CUDA GPU)
+    spinfer bench host [--shape 512x512] [--n 1]                   (needs a CUDA GPU)
 """
 
 from __future__ import annotations
@@ -121,13 +122,17 @@ def main(argv=None) -> int:
         from .lowbit import main as lowbit_main
 
         return lowbit_main(rest)
+    if study == "host":
+        from .host import main as host_main
+
+        return host_main(rest)
     if study == "to_dense":
         from .to_dense import main as to_dense_main
 
         return to_dense_main(rest)
     if study not in studies:
-        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, to_dense, e2e, policy, compression, "
-              "roofline", file=sys.stderr)
+        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, to_dense, e2e, policy, host, "
+              "compression, roofline", file=sys.stderr)
         return 2
     try:
         return studies[study](rest)

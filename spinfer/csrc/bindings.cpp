@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "eager.h"
 #include "lowbit_mm.h"
 #include "spmm_smbd.h"
 #include "to_dense.h"
@@ -470,9 +472,9 @@ at::Tensor lowbit_to_dense_cuda(const at::Tensor& qweight, const at::Tensor& sca
 // The Autograd kernel of the _out ops: they record no gradient, so as torch's own out= ops they
 // refuse an argument that requires one, then run below autograd and bump the buffer's version as
 // an in-place write. Before, nothing refused them, and out came back detached from the graph: x
-// got no gradient through it and nothing said so. A boxed kernel on the stack as it is: the eager
-// wrappers call these ops for their low host time, and it measured no slower per call (fifty-
-// eighth session). (spinfer/ops/library.py registers the same check for the CPU.)
+// got no gradient through it and nothing said so. A boxed kernel on the stack as it is: it measured
+// no slower per call (fifty-eighth session). (spinfer/ops/library.py registers the same check for
+// the CPU.)
 void out_op_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
@@ -495,7 +497,36 @@ void out_op_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
   if (out.defined()) out.unsafeGetTensorImpl()->bump_version();
 }
 
+// x [..., k] as the [N, k] the kernels take, and the [..., m] shape of the result.
+std::pair<at::Tensor, std::vector<int64_t>> flatten_leading(const at::Tensor& x, int64_t m, int64_t k) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == k, "x must have shape [..., ", k, "] to match the weight ", m, "x", k,
+                    ", got ", x.sizes());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = m;
+  return {x.dim() == 2 ? x : x.reshape({-1, k}), std::move(shape)};
+}
+
 }  // namespace
+
+// eager.h. The profiler still sees each call under the op's name.
+at::Tensor spmm_eager(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& bitmap,
+                      const at::Tensor& values, const at::Tensor& gtile_offset, int64_t m, int64_t k, int64_t max_run,
+                      int64_t splits, const std::optional<at::Tensor>& row_offset) {
+  RECORD_FUNCTION("spinfer::spmm", std::vector<c10::IValue>());
+  auto [x2, shape] = flatten_leading(x, m, k);
+  return spmm_cuda(x2, bitmap, values, gtile_offset, m, k, kGt, kGt, max_run, bias, splits, row_offset).view(shape);
+}
+
+at::Tensor lowbit_mm_eager(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& qweight,
+                           const at::Tensor& scale_zero, int64_t bits, int64_t group_size, int64_t m, int64_t k,
+                           const std::optional<at::Tensor>& perm, int64_t splits, bool integer_zeros) {
+  RECORD_FUNCTION("spinfer::lowbit_mm", std::vector<c10::IValue>());
+  auto [x2, shape] = flatten_leading(x, m, k);
+  at::Tensor y = at::empty({x2.size(0), m}, x2.options());
+  lowbit_mm_out_cuda(x2, qweight, scale_zero, bits, group_size, m, k, perm, bias, splits, integer_zeros, y);
+  return y.view(shape);
+}
+
 }  // namespace spinfer
 
 TORCH_LIBRARY_IMPL(spinfer, Autograd, m) {

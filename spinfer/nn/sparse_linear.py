@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import tuning
+from .. import build, tuning
 from ..format import TCABME
 from ..ops import lowbit_mm, spmm
-from ..ops.lowbit_mm import fused_max_n
+from ..ops.linear_input import direct_call_ok
+from ..ops.lowbit_mm import _integer_zeros, fused_max_n
 from ..quant import LowBitWeight
 from ..timing import least_of_rounds
 from . import policy as P
@@ -41,12 +42,13 @@ class _Held:
     the version counters of the structure arrays, so a buffer replaced by assignment (also
     through ``_buffers``, as accelerate does) or a structure edited in place is seen."""
 
-    __slots__ = ("device", "where", "dtype", "weight", "arrays", "versions")
+    __slots__ = ("device", "where", "dtype", "weight", "arrays", "versions", "launches")
 
     def __init__(self, arrays, versions, device=None, weight=None, dtype=None):
         self.arrays = arrays  # ((name, tensor or None), ...)
         self.versions = versions  # ((tensor, its _version), ...), the structure arrays
         self.device, self.where, self.weight, self.dtype = device, str(device), weight, dtype
+        self.launches: Dict[int, Optional[_Launch]] = {}  # N -> the eager launch, None where the kernel has none
 
     def matches(self, buffers) -> bool:
         for name, t in self.arrays:
@@ -57,6 +59,24 @@ class _Held:
                 if t._version != v:
                     return False
         return True
+
+
+class _Launch:
+    """One token count's eager kernel call, kept between calls: the extension's entry point
+    (``build.eager_module()``) and every argument after x and the bias, so a call with nothing for
+    the dispatcher to do (``direct_call_ok``) costs one Python call into C++. Good while the
+    split-K table is as it was (``tuning.generation``) and, for low-bit weights, the zeros are
+    (their version counter: the integer-zeros flag was computed from them)."""
+
+    __slots__ = ("fn", "args", "generation", "zeros", "zeros_version")
+
+    def __init__(self, fn, args, zeros=None):
+        self.fn, self.args, self.generation = fn, args, tuning.generation()
+        self.zeros, self.zeros_version = zeros, None if zeros is None else zeros._version
+
+    def current(self) -> bool:
+        return self.generation == tuning.generation() and (self.zeros is None or
+                                                           self.zeros._version == self.zeros_version)
 
 
 def _check_policy(policy: str) -> str:
@@ -336,15 +356,45 @@ class SparseLinear(nn.Module):
             return F.linear(x, w.to_dense(), self.bias)
         return lowbit_mm(x, w, self.bias)
 
+    def _launch(self, n: int, held: _Held) -> Optional[_Launch]:
+        """The eager launch for ``n`` tokens, or None where the chosen kernel is not one of the
+        extension's entry points: F.linear (a dense layer, where keeping it measured no faster
+        on the H100 host), decode + cuBLAS, low-bit above the fused kernel's N."""
+        kernel = self._choose(n, held)
+        w, m, k = held.weight, self.out_features, self.in_features
+        if kernel == P.SPMM and w.group_tile == (64, 64):
+            args = (w.bitmap, w.values, w.gtile_offset, m, k, w.max_run, tuning.spmm_splits(w, n, held.device),
+                    w.row_offset)
+            return _Launch(build.eager_module().spmm, args)
+        if kernel == P.LOWBIT and 0 < n <= fused_max_n(w.bits):
+            args = (w.qweight, w.scale_zero, w.bits, w.group_size, m, k, w.perm,
+                    tuning.lowbit_splits(w, n, held.device), _integer_zeros(w))
+            return _Launch(build.eager_module().lowbit_mm, args, w.scale_zero)
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
         held = self._state()
         if x.dtype != held.dtype:
             raise TypeError(f"x is {x.dtype} but the layer is {held.dtype}; cast the input or the layer")
+        n = x.numel() // self.in_features
+        bias = self._buffers["bias"]
+        launches = held.launches
+        launch = launches.get(n, False)  # (None: this N's kernel has no eager entry point)
+        if launch is not None and direct_call_ok(x, bias):
+            # Eager decode is host-bound at batch 1 (docs/policy.md): the kernel choice, split-K
+            # factor and arguments of each N are kept, and the call goes straight to the kernel.
+            if launch is False or not launch.current():
+                if torch.cuda.is_current_stream_capturing():  # (the choice would not be cached)
+                    launch = None
+                else:
+                    launch = launches[n] = self._launch(n, held)
+            if launch is not None:
+                return launch.fn(x, bias, *launch.args)
         # Every kernel's wrapper takes leading dimensions as F.linear does, so x goes as it is:
-        # one flatten, in the wrapper (eager decode is host-bound at batch 1; docs/policy.md).
-        return self._run(self._choose(x.numel() // self.in_features, held), x, held.weight)
+        # one flatten, in the wrapper.
+        return self._run(self._choose(n, held), x, held.weight)
 
     def policy_report(self, print_it: bool = True) -> str:
         """Per N bucket: the chosen kernel, each candidate's predicted time and, if measured

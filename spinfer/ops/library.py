@@ -60,8 +60,8 @@ LIB.define("lowbit_to_dense(Tensor qweight, Tensor scale_zero, int bits, int gro
 # no gradient through it and nothing said so (fifty-eighth session, on the H100); on the CPU the
 # reference's own torch ops happened to record one.
 # This is the CPU kernel of that check; spinfer/csrc/bindings.cpp registers the same check for
-# every other backend in C++, since the eager wrappers call the _out ops on CUDA for their low
-# host time and a Python kernel would add to it.
+# every other backend in C++, where a Python kernel would add host time to every call of the _out
+# ops (CUDA-graph buffers, the benchmarks).
 def _out_grad_message(qualname: str, arg: str) -> str:
     return (f"{qualname}: functions with out=... arguments don't support automatic differentiation, but "
             f"'{arg}' requires grad; call the differentiable op (spinfer.spmm / spinfer.lowbit_mm) or run "

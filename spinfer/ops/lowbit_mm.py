@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from .. import build, tuning
 from ..quant.lowbit import ROW_BLOCK, LowBitWeight, check_bits, dequantize
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
-                           needs_input_grad, refuse_weight_grad, wants_grad)
+from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, direct_call_ok, flatten_input,
+                           linear_input_grads, needs_input_grad, refuse_weight_grad, wants_grad)
 
 # Largest N served by the fused kernel, by bit width; above it the weight is decoded once
 # (lowbit_to_dense) and cuBLAS multiplies. The fused kernel decodes the weight again for every
@@ -152,30 +152,26 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     rows), or -1 for the balanced schedule (two blocks per SM, each an equal run of the layer's
     stages across row blocks); by default it is the one :func:`spinfer.tuning.tune_lowbit`
     measured best for this shape and N, or the planner's rule where none was tuned."""
-    x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias, check=False)
     splits = check_splits(splits, balanced=True)
+    if out is None and isinstance(weight, LowBitWeight) and direct_call_ok(x, bias):
+        m, k = weight.shape
+        n = x.numel() // k
+        if 0 < n <= fused_max_n(weight.bits):
+            # Eager, nothing to differentiate: the fused kernel's entry point, past the dispatcher
+            # (its checks of x and bias are the op's, in C++; the weight was checked when it was
+            # built); decode at batch 1 is host-bound.
+            if splits is None:
+                splits = tuning.lowbit_splits(weight, n, x.device)
+            return build.eager_module().lowbit_mm(x, bias, weight.qweight, weight.scale_zero, weight.bits,
+                                                  weight.group_size, m, k, weight.perm, splits,
+                                                  _integer_zeros(weight))
+    x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias)
     m, k = weight.shape
     grad = needs_input_grad(x2, bias)
-    # The eager fast path below leaves the checks of x and bias to lowbit_mm_out, which makes them
-    # in C++ (bindings.cpp), so a call pays for them once; every other path checks here.
-    fast = (out is None and x2.is_cuda and 0 < x2.shape[0] <= fused_max_n(weight.bits) and not grad
-            and not torch.compiler.is_compiling())
-    if not fast:
-        check_op_inputs(x2, weight.scale_zero, m, k, bias)
     build.load_for(x2)  # JIT-compiles the kernels on first use, then cached
     if splits is None:
         splits = tuning.lowbit_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
-    # Whether the kernel may skip its zero-point check: computed at the weight's first eager CUDA
-    # call (one sync) and cached until scale_zero changes. A CUDA graph captured before then (or
-    # after a change) takes the checked path, which is as exact, rather than sync there. So does
-    # torch.compile: dynamo cannot read the version counter that keeps the cache honest, and a
-    # flag baked into a compiled graph would outlive an in-place edit of the zeros.
-    integer_zeros = False
-    if x2.is_cuda and not torch.compiler.is_compiling():
-        if torch.cuda.is_current_stream_capturing():
-            integer_zeros = bool(weight.cached_integer_zeros())
-        else:
-            integer_zeros = weight.integer_zeros
+    integer_zeros = x2.is_cuda and not torch.compiler.is_compiling() and _integer_zeros(weight)
     args = (x2, weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, bias, splits,
             integer_zeros)
     if out is not None:
@@ -188,14 +184,19 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
         return out.view(*lead, m)
     if x2.shape[0] == 0 and not grad:  # (an empty batch that autograd follows goes through the op)
         return x.new_empty((*lead, m))
-    if fast:
-        # Eager fast path: the weight was checked when it was built, and the kernel's op checks x
-        # and bias, so go straight to it (one dispatch instead of two, ~40 us less host time per
-        # call). Compiled graphs, and calls autograd will differentiate, keep the lowbit_mm op.
-        out = x2.new_empty((x2.shape[0], m))
-        torch.ops.spinfer.lowbit_mm_out(*args, out=out)
-        return out.view(*lead, m)
     return torch.ops.spinfer.lowbit_mm(*args).reshape(*lead, m)
+
+
+def _integer_zeros(weight: LowBitWeight) -> bool:
+    """Whether the fused kernel may skip its zero-point check for an eager CUDA call: computed at
+    the weight's first such call (one sync) and cached until scale_zero changes. A CUDA graph
+    captured before then (or after a change) takes the checked path, which is as exact, rather
+    than sync there. So does torch.compile (the callers pass False while tracing): dynamo cannot
+    read the version counter that keeps the cache honest, and a flag baked into a compiled graph
+    would outlive an in-place edit of the zeros."""
+    if torch.cuda.is_current_stream_capturing():
+        return bool(weight.cached_integer_zeros())
+    return weight.integer_zeros
 
 
 # Field names of spinfer::lowbit_plan's result, in order (spinfer/csrc/lowbit_mm.h, LowbitPlan).

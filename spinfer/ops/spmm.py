@@ -15,8 +15,8 @@ import torch
 from .. import build, tuning
 from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, decode, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
-from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, flatten_input, linear_input_grads,
-                           needs_input_grad, refuse_weight_grad, wants_grad)
+from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, direct_call_ok, flatten_input,
+                           linear_input_grads, needs_input_grad, refuse_weight_grad, wants_grad)
 
 
 @torch.library.register_fake("spinfer::spmm")
@@ -117,11 +117,19 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
     ``splits`` sets the CUDA kernel's split-K factor; by default it is the one
     :func:`spinfer.tuning.tune_spmm` measured best for this shape and N, or the planner's rule
     where none was tuned."""
-    # The ops check x, bias and the arrays themselves (CUDA: check_and_prepare in bindings.cpp, the
-    # same checks as check_op_inputs and check_structure; CPU: the reference, in full), so an eager
-    # CUDA call makes them once: decode at batch 1 is host-bound (docs/policy.md).
-    x2, lead = flatten_input(x, weight, TCABME, weight.values, bias, check=not x.is_cuda)
     splits = check_splits(splits)
+    if isinstance(weight, TCABME) and weight.group_tile == (64, 64) and direct_call_ok(x, bias):
+        # Eager, nothing to differentiate: the kernel's entry point, past the dispatcher (its checks
+        # of x, bias and the arrays are the op's, in C++); decode at batch 1 is host-bound.
+        m, k = weight.shape
+        if splits is None:
+            splits = tuning.spmm_splits(weight, x.numel() // k, x.device)
+        return build.eager_module().spmm(x, bias, weight.bitmap, weight.values, weight.gtile_offset, m, k,
+                                         weight.max_run, splits, weight.row_offset)
+    # The ops check x, bias and the arrays themselves (CUDA: check_and_prepare in bindings.cpp, the
+    # same checks as check_op_inputs and check_structure; CPU: the reference, in full), so a CUDA
+    # call makes them once.
+    x2, lead = flatten_input(x, weight, TCABME, weight.values, bias, check=not x.is_cuda)
     m, k = weight.shape
     grad = needs_input_grad(x2, bias)
     if x2.shape[0] == 0 and not grad:  # (an empty batch that autograd follows goes through the op)
@@ -139,13 +147,6 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
         splits = tuning.spmm_splits(weight, x2.shape[0], x2.device) if x2.is_cuda else 0
     args = (x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits,
             weight.row_offset)
-    if x2.is_cuda and not grad and not torch.compiler.is_compiling():
-        # Eager, nothing to differentiate: the kernel through spmm_out, past the op's Python
-        # autograd kernel (~19 us of host time a call on the H100 machine's host, docs/policy.md).
-        # Compiled graphs keep the spmm op.
-        out = x2.new_empty((x2.shape[0], m))
-        torch.ops.spinfer.spmm_out(*args, out=out)
-        return out.view(*lead, m)
     return torch.ops.spinfer.spmm(*args).reshape(*lead, m)
 
 

@@ -61,6 +61,9 @@ class _Held:
         return True
 
 
+_KEEP_LAUNCH_MAX_N = 256  # SparseLinear keeps eager launches for token counts up to this
+
+
 class _Launch:
     """One token count's eager kernel call, kept between calls: the extension's entry point
     (``build.eager_module()``) and every argument after x and the bias, so a call with nothing for
@@ -381,7 +384,9 @@ class SparseLinear(nn.Module):
         n = x.numel() // self.in_features
         bias = self._buffers["bias"]
         launches = held.launches
-        launch = launches.get(n, False)  # (None: this N's kernel has no eager entry point)
+        # (None: this N's kernel has no eager entry point, or N is large enough that host time
+        # does not count and a server's many prompt lengths should not each keep one)
+        launch = launches.get(n, False) if n <= _KEEP_LAUNCH_MAX_N else None
         if launch is not None and direct_call_ok(x, bias):
             # Eager decode is host-bound at batch 1 (docs/policy.md): the kernel choice, split-K
             # factor and arguments of each N are kept, and the call goes straight to the kernel.

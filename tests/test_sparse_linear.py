@@ -442,6 +442,26 @@ def test_eager_launches_are_kept_per_token_count_and_made_again_when_stale(polic
 
 
 @pytest.mark.cuda
+def test_eager_calls_between_compiled_ones_cause_no_recompile(monkeypatch):
+    # dynamo must not guard its graph on the eager launches a layer keeps, which eager calls add to.
+    # (The layer is called eagerly first: a graph traced before the layer's first call guards on
+    # its cache being empty, and the first eager call then costs one recompile.)
+    lin = pruned_linear(300, 512, 0.5).cuda()
+    layer = SparseLinear.from_linear(lin, policy="sparse").cuda()
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(2, 512, device="cuda").half()
+    ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+    with torch.no_grad():
+        layer(torch.randn(4, 512, device="cuda").half())
+        assert rel_err(compiled(x), ref) <= 2e-3
+        for n in (1, 2, 3):
+            layer(torch.randn(n, 512, device="cuda").half())
+        assert set(layer._held.launches) == {1, 2, 3, 4}
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        assert rel_err(compiled(x), ref) <= 2e-3
+
+
+@pytest.mark.cuda
 def test_a_dense_layer_keeps_no_launch_and_reads_its_buffers_on_every_call():
     lin = pruned_linear(300, 512, 0.0).cuda()
     layer = SparseLinear.from_linear(lin, policy="dense").cuda()

@@ -385,8 +385,10 @@ class SparseLinear(nn.Module):
         bias = self._buffers["bias"]
         launches = held.launches
         # (None: this N's kernel has no eager entry point, or N is large enough that host time
-        # does not count and a server's many prompt lengths should not each keep one)
-        launch = launches.get(n, False) if n <= _KEEP_LAUNCH_MAX_N else None
+        # does not count and a server's many prompt lengths should not each keep one, or dynamo is
+        # tracing, which would guard its graph on the dict's contents)
+        launch = (launches.get(n, False) if n <= _KEEP_LAUNCH_MAX_N and not torch.compiler.is_compiling()
+                  else None)
         if launch is not None and direct_call_ok(x, bias):
             # Eager decode is host-bound at batch 1 (docs/policy.md): the kernel choice, split-K
             # factor and arguments of each N are kept, and the call goes straight to the kernel.

@@ -183,6 +183,21 @@ def test_a_replaced_bitmap_is_validated_and_its_row_table_remade():
         a(x)
 
 
+@pytest.mark.cuda
+def test_a_bitmap_swapped_in_through_data_is_validated_on_cuda():
+    # .data = other moves no version counter, only the data pointer. (On the CPU the reference op
+    # validates every call itself; the CUDA kernel trusts what the layer checked.)
+    a = SparseLinear.from_linear(pruned_linear(128, 256, 0.5, bias=False), policy="sparse").cuda()
+    x = torch.randn(2, 256, device="cuda").half()
+    with torch.no_grad():
+        ref = a(x)
+        a.bitmap.data = a.bitmap.roll(1)
+        with pytest.raises(ValueError, match="popcount|GroupTile|values"):
+            a(x)
+        a.bitmap.data = a.bitmap.roll(-1)
+        assert torch.equal(a(x), ref)
+
+
 def test_a_replaced_buffer_of_another_dtype_changes_the_layers_dtype():
     layer = SparseLinear.from_linear(pruned_linear(128, 256, 0.5, bias=False), policy="sparse")
     x = torch.randn(2, 256)

@@ -39,14 +39,15 @@ class _Held:
     """What a layer derives from its buffers and keeps between calls (walking the buffers and
     rebuilding the format object cost microseconds of host time a call, and eager decode is
     host-bound: docs/policy.md), with the buffers it was derived from: their identities, and
-    the version counters of the structure arrays, so a buffer replaced by assignment (also
-    through ``_buffers``, as accelerate does) or a structure edited in place is seen."""
+    the version counters and data pointers of the structure arrays, so a buffer replaced by
+    assignment (also through ``_buffers``, as accelerate does, or through ``.data``) or a
+    structure edited in place is seen. Writes into ``.data`` in place move neither, and are not."""
 
     __slots__ = ("device", "where", "dtype", "weight", "arrays", "versions", "launches")
 
     def __init__(self, arrays, versions, device=None, weight=None, dtype=None):
         self.arrays = arrays  # ((name, tensor or None), ...)
-        self.versions = versions  # ((tensor, its _version), ...), the structure arrays
+        self.versions = versions  # ((tensor, its _version, its data_ptr()), ...), the structure arrays
         self.device, self.where, self.weight, self.dtype = device, str(device), weight, dtype
         self.launches: Dict[int, Optional[_Launch]] = {}  # N -> the eager launch, None where the kernel has none
 
@@ -55,8 +56,8 @@ class _Held:
             if buffers.get(name) is not t:
                 return False
         if self.versions and not torch.compiler.is_compiling():  # (a traced _version is data)
-            for t, v in self.versions:
-                if t._version != v:
+            for t, v, p in self.versions:
+                if t._version != v or t.data_ptr() != p:  # (t.data = other moves no version counter)
                     return False
         return True
 
@@ -211,7 +212,8 @@ class SparseLinear(nn.Module):
     def _snapshot(self) -> _Held:
         buffers = self._buffers
         arrays = tuple((name, buffers.get(name)) for name in _ARRAYS[self.format])
-        versions = tuple((t, t._version) for t in (buffers.get(n) for n in _STRUCTURE[self.format]) if t is not None)
+        versions = tuple((t, t._version, t.data_ptr()) for t in (buffers.get(n) for n in _STRUCTURE[self.format])
+                         if t is not None)
         return _Held(arrays, versions)
 
     def _state(self) -> _Held:

@@ -14,7 +14,9 @@ from .. import build, tuning
 from ..format import TCABME
 from ..ops import lowbit_mm, spmm
 from ..ops.linear_input import direct_call_ok
-from ..ops.lowbit_mm import _integer_zeros, fused_max_n
+from ..ops.lowbit_mm import entry_args as lowbit_entry_args
+from ..ops.lowbit_mm import fused_max_n
+from ..ops.spmm import entry_args as spmm_entry_args
 from ..quant import LowBitWeight
 from ..timing import least_of_rounds
 from . import policy as P
@@ -365,15 +367,12 @@ class SparseLinear(nn.Module):
         """The eager launch for ``n`` tokens, or None where the chosen kernel is not one of the
         extension's entry points: F.linear (a dense layer, where keeping it measured no faster
         on the H100 host), decode + cuBLAS, low-bit above the fused kernel's N."""
-        kernel = self._choose(n, held)
-        w, m, k = held.weight, self.out_features, self.in_features
+        kernel, w = self._choose(n, held), held.weight
         if kernel == P.SPMM and w.group_tile == (64, 64):
-            args = (w.bitmap, w.values, w.gtile_offset, m, k, w.max_run, tuning.spmm_splits(w, n, held.device),
-                    w.row_offset)
+            args = spmm_entry_args(w, tuning.spmm_splits(w, n, held.device))
             return _Launch(build.eager_module().spmm, args)
         if kernel == P.LOWBIT and 0 < n <= fused_max_n(w.bits):
-            args = (w.qweight, w.scale_zero, w.bits, w.group_size, m, k, w.perm,
-                    tuning.lowbit_splits(w, n, held.device), _integer_zeros(w))
+            args = lowbit_entry_args(w, tuning.lowbit_splits(w, n, held.device))
             return _Launch(build.eager_module().lowbit_mm, args, w.scale_zero)
         return None
 

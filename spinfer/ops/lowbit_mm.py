@@ -154,17 +154,14 @@ def lowbit_mm(x: torch.Tensor, weight: LowBitWeight, bias: Optional[torch.Tensor
     measured best for this shape and N, or the planner's rule where none was tuned."""
     splits = check_splits(splits, balanced=True)
     if out is None and isinstance(weight, LowBitWeight) and direct_call_ok(x, bias):
-        m, k = weight.shape
-        n = x.numel() // k
+        n = x.numel() // weight.shape[1]
         if 0 < n <= fused_max_n(weight.bits):
             # Eager, nothing to differentiate: the fused kernel's entry point, past the dispatcher
             # (its checks of x and bias are the op's, in C++; the weight was checked when it was
             # built); decode at batch 1 is host-bound.
             if splits is None:
                 splits = tuning.lowbit_splits(weight, n, x.device)
-            return build.eager_module().lowbit_mm(x, bias, weight.qweight, weight.scale_zero, weight.bits,
-                                                  weight.group_size, m, k, weight.perm, splits,
-                                                  _integer_zeros(weight))
+            return build.eager_module().lowbit_mm(x, bias, *entry_args(weight, splits))
     x2, lead = flatten_input(x, weight, LowBitWeight, weight.scale_zero, bias)
     m, k = weight.shape
     grad = needs_input_grad(x2, bias)
@@ -197,6 +194,15 @@ def _integer_zeros(weight: LowBitWeight) -> bool:
     if torch.cuda.is_current_stream_capturing():
         return bool(weight.cached_integer_zeros())
     return weight.integer_zeros
+
+
+def entry_args(weight: LowBitWeight, splits: int) -> tuple:
+    """The arguments after x and bias of the extension's ``lowbit_mm`` entry point (csrc/eager.h,
+    the fused kernel) for ``weight``, the integer-zeros flag as it is now: what SparseLinear keeps
+    between eager calls, while ``scale_zero`` keeps its version."""
+    m, k = weight.shape
+    return (weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k, weight.perm, splits,
+            _integer_zeros(weight))
 
 
 # Field names of spinfer::lowbit_plan's result, in order (spinfer/csrc/lowbit_mm.h, LowbitPlan).

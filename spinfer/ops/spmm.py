@@ -121,11 +121,9 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
     if isinstance(weight, TCABME) and weight.group_tile == (64, 64) and direct_call_ok(x, bias):
         # Eager, nothing to differentiate: the kernel's entry point, past the dispatcher (its checks
         # of x, bias and the arrays are the op's, in C++); decode at batch 1 is host-bound.
-        m, k = weight.shape
         if splits is None:
-            splits = tuning.spmm_splits(weight, x.numel() // k, x.device)
-        return build.eager_module().spmm(x, bias, weight.bitmap, weight.values, weight.gtile_offset, m, k,
-                                         weight.max_run, splits, weight.row_offset)
+            splits = tuning.spmm_splits(weight, x.numel() // weight.shape[1], x.device)
+        return build.eager_module().spmm(x, bias, *entry_args(weight, splits))
     # The ops check x, bias and the arrays themselves (CUDA: check_and_prepare in bindings.cpp, the
     # same checks as check_op_inputs and check_structure; CPU: the reference, in full), so a CUDA
     # call makes them once.
@@ -148,6 +146,13 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
     args = (x2, weight.bitmap, weight.values, weight.gtile_offset, m, k, gt_h, gt_w, weight.max_run, bias, splits,
             weight.row_offset)
     return torch.ops.spinfer.spmm(*args).reshape(*lead, m)
+
+
+def entry_args(weight: TCABME, splits: int) -> tuple:
+    """The arguments after x and bias of the extension's ``spmm`` entry point (csrc/eager.h) for
+    ``weight``: what SparseLinear keeps between eager calls."""
+    m, k = weight.shape
+    return weight.bitmap, weight.values, weight.gtile_offset, m, k, weight.max_run, splits, weight.row_offset
 
 
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).

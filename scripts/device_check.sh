@@ -2,7 +2,7 @@
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
 #   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
-#                           [bench-to-dense] [e2e] [ncu-spmm] [ncu-lowbit]
+#                           [bench-to-dense] [e2e] [host] [ncu-spmm] [ncu-lowbit]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,11 @@ if [[ " $steps " == *" e2e "* ]]; then
     # decode through 4 Llama-shaped layers, dense against 50% / 70% sparse and 4-bit, batch 1 (the default glue: pdl on sm_90)
     python3 -m spinfer.bench e2e --fused --variants dense,sparse50,sparse70,w4 --batches 1 >"$OUT/e2e.log" 2>&1 || status=1
     grep -E "^(variant|dense|sparse[0-9]+|w4) " "$OUT/e2e.log"
+fi
+if [[ " $steps " == *" host "* ]]; then
+    # host time of one eager call (what eager decode at batch 1 is bound by), against F.linear
+    python3 -m spinfer.bench host >"$OUT/host.log" 2>&1 || status=1
+    tail -n 10 "$OUT/host.log"
 fi
 # One launch under Nsight Compute: the details page and the per-SASS-instruction source page
 # (executed instructions, stall samples) as CSV, and the headline metrics.

@@ -277,6 +277,28 @@ def test_compile_fullgraph():
     assert torch.equal(compiled(x), eager)
 
 
+@pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
+def test_compiled_before_the_first_eager_call(policy):
+    # A layer compiled before any eager call traces (Geometry's counts once took a lock there,
+    # which broke the full graph on Python <= 3.11), and its graph does not guard on state the
+    # first eager call makes (it guarded on `_held is None`, so that call cost a recompile).
+    lin = pruned_linear(96, 256, 0.5)
+    layer = SparseLinear.from_linear(lin, policy=policy, quant="w4" if policy == "lowbit" else None)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    xs = [torch.randn(3, 256).half() for _ in range(3)]
+    with torch.no_grad():
+        ys = [compiled(xs[0])]  # (nothing has touched the layer before)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            ys.append(compiled(xs[1]))
+            layer(torch.randn(5, 256).half())
+            ys.append(compiled(xs[2]))
+    w = layer.weight_object()
+    w = (w.dequantize() if policy == "lowbit" else w.to_dense() if policy == "sparse" else w).double()
+    for x, y in zip(xs, ys):
+        assert rel_err(y, x.double() @ w.t() + lin.bias.double()) <= 2e-3
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -457,23 +479,21 @@ def test_eager_launches_are_kept_per_token_count_and_made_again_when_stale(polic
 
 
 @pytest.mark.cuda
-def test_eager_calls_between_compiled_ones_cause_no_recompile(monkeypatch):
-    # dynamo must not guard its graph on the eager launches a layer keeps, which eager calls add to.
-    # (The layer is called eagerly first: a graph traced before the layer's first call guards on
-    # its cache being empty, and the first eager call then costs one recompile.)
+def test_eager_calls_between_compiled_ones_cause_no_recompile():
+    # dynamo must not guard its graph on the eager launches a layer keeps, which eager calls add to,
+    # nor on the state the first eager call derives (the graph is traced before it).
     lin = pruned_linear(300, 512, 0.5).cuda()
     layer = SparseLinear.from_linear(lin, policy="sparse").cuda()
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(2, 512, device="cuda").half()
     ref = x.double() @ lin.weight.double().t() + lin.bias.double()
     with torch.no_grad():
-        layer(torch.randn(4, 512, device="cuda").half())
         assert rel_err(compiled(x), ref) <= 2e-3
-        for n in (1, 2, 3):
-            layer(torch.randn(n, 512, device="cuda").half())
-        assert set(layer._held.launches) == {1, 2, 3, 4}
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-        assert rel_err(compiled(x), ref) <= 2e-3
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for n in (1, 2, 3, 4):
+                layer(torch.randn(n, 512, device="cuda").half())
+            assert set(layer._held.launches) == {1, 2, 3, 4}
+            assert rel_err(compiled(x), ref) <= 2e-3
 
 
 @pytest.mark.cuda

@@ -24,8 +24,7 @@ kept, so decoding is bit-exact for every input.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -64,34 +63,31 @@ class StorageBreakdown:
 @dataclass(frozen=True)
 class Geometry:
     """Tile counts of a logical ``[M, K]`` weight under a GroupTile shape. Each count is computed
-    once (``cached_property``): every spmm call checks the arrays' sizes against them."""
+    once, at construction: every spmm call checks the arrays' sizes against them. (Not
+    ``functools.cached_property``: on Python <= 3.11 it takes a lock, which torch.compile cannot
+    trace, so a model compiled before its first eager call broke its graph there.)"""
 
     m: int
     k: int
     gt_h: int
     gt_w: int
+    padded_shape: Tuple[int, int] = field(init=False)
+    grid: Tuple[int, int] = field(init=False)
+    num_group_tiles: int = field(init=False)
+    num_bitmap_tiles: int = field(init=False)
 
-    @cached_property
-    def padded_shape(self) -> Tuple[int, int]:
-        return (-(-self.m // self.gt_h) * self.gt_h, -(-self.k // self.gt_w) * self.gt_w)
-
-    @cached_property
-    def grid(self) -> Tuple[int, int]:
-        mp, kp = self.padded_shape
-        return mp // self.gt_h, kp // self.gt_w
-
-    @cached_property
-    def num_group_tiles(self) -> int:
-        gm, gk = self.grid
-        return gm * gk
+    def __post_init__(self):
+        mp, kp = -(-self.m // self.gt_h) * self.gt_h, -(-self.k // self.gt_w) * self.gt_w
+        gm, gk = mp // self.gt_h, kp // self.gt_w
+        set_ = object.__setattr__  # (frozen)
+        set_(self, "padded_shape", (mp, kp))
+        set_(self, "grid", (gm, gk))
+        set_(self, "num_group_tiles", gm * gk)
+        set_(self, "num_bitmap_tiles", gm * gk * self.gtile_elems // 64)
 
     @property
     def gtile_elems(self) -> int:
         return self.gt_h * self.gt_w
-
-    @cached_property
-    def num_bitmap_tiles(self) -> int:
-        return self.num_group_tiles * self.gtile_elems // 64
 
 
 def check_group_tile(group_tile) -> Tuple[int, int]:

@@ -135,8 +135,11 @@ class SparseLinear(nn.Module):
                 raise ValueError(f"bias must be a tensor of shape ({self.out_features},)")
             bias = bias.detach()
         self.register_buffer("bias", bias)
-        self._held = None  # derived from the buffers on the first call
         self._trusted = self._snapshot()  # buffers the layer made or checked itself
+        # Derived now, not on the first call: a graph torch.compile traces before the first eager
+        # call would otherwise guard on `_held is None`, and recompile after that call.
+        self._held = None
+        self._derive()
         self._measured: Dict[tuple, Dict[str, float]] = {}  # autotune: (device, bucket) -> times
         self._choices: Dict[tuple, str] = {}  # (device, bucket) -> kernel, decided once
 
@@ -203,8 +206,8 @@ class SparseLinear(nn.Module):
                                 f"{probe.dtype}; use .half() or .bfloat16() to change its dtype")
         self._choices = {}
         out = super()._apply(fn, recurse)
-        self._held = None  # device or dtype changed: derive again, from converted trusted arrays
         self._trusted = self._snapshot()
+        self._derive()  # device or dtype changed: derive again, from the converted trusted arrays
         return out
 
     def weight_object(self):
@@ -463,8 +466,11 @@ class SparseLinear(nn.Module):
                             (gt_h, gt_w), max_run=max_run)
             self.row_offset = loaded.row_offset
             self._trusted = self._snapshot()
-        # Otherwise the copies moved the arrays' version counters, so the next call checks them
-        # (a loaded perm, say, must be a permutation).
+        # Otherwise the copies moved the arrays' version counters, so deriving checks them (a
+        # loaded perm, say, must be a permutation): here, so a bad state fails its load rather
+        # than the first call, and a model compiled after loading finds the layer derived.
+        if not error_msgs:
+            self._derive()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "

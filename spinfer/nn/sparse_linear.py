@@ -356,15 +356,16 @@ class SparseLinear(nn.Module):
         return least_of_rounds({kern: (lambda kern=kern: self._run(kern, x)) for kern in self.candidates()},
                                x.device, reps=10, max_seconds=2)
 
-    def _run(self, kernel: str, x: torch.Tensor, w=None) -> torch.Tensor:
+    def _run(self, kernel: str, x: torch.Tensor, w=None, bias=False) -> torch.Tensor:
         w = self.weight_object() if w is None else w
+        bias = self._buffers["bias"] if bias is False else bias
         if kernel == P.DENSE:
-            return F.linear(x, w, self.bias)
+            return F.linear(x, w, bias)
         if kernel == P.SPMM:
-            return spmm(x, w, self.bias)
+            return spmm(x, w, bias)
         if kernel == P.DECODE_DENSE:
-            return F.linear(x, w.to_dense(), self.bias)
-        return lowbit_mm(x, w, self.bias)
+            return F.linear(x, w.to_dense(), bias)
+        return lowbit_mm(x, w, bias)
 
     def _launch(self, n: int, held: _Held) -> Optional[_Launch]:
         """The eager launch for ``n`` tokens, or None where the chosen kernel is not one of the
@@ -385,8 +386,10 @@ class SparseLinear(nn.Module):
         held = self._state()
         if x.dtype != held.dtype:
             raise TypeError(f"x is {x.dtype} but the layer is {held.dtype}; cast the input or the layer")
-        n = x.numel() // self.in_features
         bias = self._buffers["bias"]
+        if self.format == "dense":  # one candidate, F.linear: nothing to choose or keep
+            return F.linear(x, held.weight, bias)
+        n = x.numel() // self.in_features
         launches = held.launches
         # (None: this N's kernel has no eager entry point, or N is large enough that host time
         # does not count and a server's many prompt lengths should not each keep one, or dynamo is
@@ -405,7 +408,7 @@ class SparseLinear(nn.Module):
                 return launch.fn(x, bias, *launch.args)
         # Every kernel's wrapper takes leading dimensions as F.linear does, so x goes as it is:
         # one flatten, in the wrapper.
-        return self._run(self._choose(n, held), x, held.weight)
+        return self._run(self._choose(n, held), x, held.weight, bias)
 
     def policy_report(self, print_it: bool = True) -> str:
         """Per N bucket: the chosen kernel, each candidate's predicted time and, if measured

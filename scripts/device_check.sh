@@ -26,7 +26,7 @@ if [[ " $steps " == *" tests "* ]]; then
 fi
 if [[ " $steps " == *" tests-cp-async "* ]]; then
     # the sm_80 loaders (SMBD, and the low-bit kernel at 4 and 8 bits), forced on this GPU so they are exercised too
-    SPINFER_LOADER=cp_async python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_spmm_cuda.py tests/test_lowbit_cuda.py \
+    SPINFER_LOADER=cp_async python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_spmm_cuda.py tests/test_lowbit_cuda.py tests/test_random_shapes_cuda.py \
         >"$OUT/tests-cp-async.log" 2>&1 || status=1
     tail -3 "$OUT/tests-cp-async.log"
 fi
@@ -38,6 +38,11 @@ if [[ " $steps " == *" sanitize "* ]]; then
                 || { echo "compute-sanitizer $tool ($loader): FAILED"; tail -30 "$OUT/sanitize-$tool-$loader.log"; status=1; }
         done
     done
+    # shapes nobody chose: a few freshly drawn cases of every path (their seeds are in the log)
+    SPINFER_TEST_CASES=6 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_random_shapes_cuda.py >"$OUT/sanitize-memcheck-random.log" 2>&1 \
+        && echo "compute-sanitizer memcheck (random shapes): clean" \
+        || { echo "compute-sanitizer memcheck (random shapes): FAILED"; tail -30 "$OUT/sanitize-memcheck-random.log"; status=1; }
 fi
 if [[ " $steps " == *" bench-full "* ]]; then
     python3 benchmarks/bench_spmm.py --csv "$OUT/spmm.csv" 2>&1 | tee "$OUT/bench.log"

@@ -299,6 +299,32 @@ def test_compiled_before_the_first_eager_call(policy):
         assert rel_err(y, x.double() @ w.t() + lin.bias.double()) <= 2e-3
 
 
+@pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
+def test_pickles_and_deep_copies_after_calls(policy):
+    # What a layer derives, and the eager launches it keeps on CUDA (the extension's entry points,
+    # which do not pickle), stay out of torch.save(module) and copy.deepcopy; the copy derives again.
+    import copy
+    import io
+
+    from spinfer.nn.sparse_linear import _Launch
+
+    lin = pruned_linear(64, 256, 0.5)
+    layer = SparseLinear.from_linear(lin, policy=policy, quant="w4" if policy == "lowbit" else None)
+    x = torch.randn(3, 256).half()
+    y = layer(x)
+
+    def unpicklable(*args):
+        raise AssertionError("a copy called the original's kept launch")
+
+    layer._held.launches[3] = _Launch(unpicklable, ())  # as a CUDA call keeps one
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(layer)):
+        assert twin._held is not None and not twin._held.launches
+        assert torch.equal(twin(x), y)
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -494,6 +520,26 @@ def test_eager_calls_between_compiled_ones_cause_no_recompile():
                 layer(torch.randn(n, 512, device="cuda").half())
             assert set(layer._held.launches) == {1, 2, 3, 4}
             assert rel_err(compiled(x), ref) <= 2e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["sparse", "lowbit"])
+def test_a_model_saves_whole_after_eager_cuda_calls(policy):
+    # torch.save(model) pickles each module: a layer that kept an eager launch (an entry point of
+    # the extension) failed there until the sixtieth session.
+    import io
+
+    lin = pruned_linear(300, 512, 0.5).cuda()
+    model = nn.Sequential(SparseLinear.from_linear(lin, policy=policy, quant="w4" if policy == "lowbit" else None),
+                          nn.ReLU())
+    x = torch.randn(1, 512, device="cuda").half()
+    with torch.no_grad():
+        y = model(x)
+        assert model[0]._held.launches[1] is not None
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        assert torch.equal(torch.load(buf, weights_only=False)(x), y)
 
 
 @pytest.mark.cuda

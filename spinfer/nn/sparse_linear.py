@@ -210,6 +210,17 @@ class SparseLinear(nn.Module):
         self._derive()  # device or dtype changed: derive again, from the converted trusted arrays
         return out
 
+    def __getstate__(self):
+        # What the layer derived is a cache, and its kept launches hold the extension's entry
+        # points, which do not pickle: torch.save(model) after a CUDA call failed. Unpickled, the
+        # layer derives again, and checks the arrays (their data pointers are new).
+        state = super().__getstate__()
+        return {**state, "_held": None}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._derive()
+
     def weight_object(self):
         """The stored weight as a TCABME / LowBitWeight / dense tensor (on the module's device)."""
         return self._state().weight

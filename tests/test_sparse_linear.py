@@ -325,6 +325,30 @@ def test_pickles_and_deep_copies_after_calls(policy):
         assert torch.equal(twin(x), y)
 
 
+def _autocast_case(device, autocast_dtype, layer_dtype, policy):
+    lin = pruned_linear(64, 256, 0.5, dtype=layer_dtype).to(device)
+    layer = SparseLinear.from_linear(lin, policy=policy, quant="w8" if policy == "lowbit" else None)
+    w = layer.weight_object()
+    w = (w.dequantize() if policy == "lowbit" else w.to_dense() if policy == "sparse" else w).double()
+    x = torch.randn(3, 5, 256, device=device)  # float32, as in a model kept in float32
+    with torch.autocast(device, dtype=autocast_dtype), torch.no_grad():
+        y = layer(x)
+    assert y.dtype == autocast_dtype  # as nn.Linear's under autocast
+    # x rounded to the dtype the product ran in: the layer's (compressed) or autocast's (dense)
+    xr = x.to(layer_dtype if policy != "dense" else autocast_dtype).double()
+    assert rel_err(y, xr @ w.t() + lin.bias.double()) <= 1e-2, (policy, layer_dtype)
+    with pytest.raises(TypeError, match="float32 but the layer is"):
+        layer(x)  # outside autocast a dtype mismatch is an error, as before
+
+
+@pytest.mark.parametrize("layer_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
+def test_runs_under_autocast(policy, layer_dtype):
+    # A model kept in float32 and run under autocast feeds float32 activations: nn.Linear casts
+    # them, and so does a SparseLinear (to its own dtype; it returns autocast's, as nn.Linear).
+    _autocast_case("cpu", torch.bfloat16, layer_dtype, policy)
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -540,6 +564,12 @@ def test_a_model_saves_whole_after_eager_cuda_calls(policy):
         torch.save(model, buf)
         buf.seek(0)
         assert torch.equal(torch.load(buf, weights_only=False)(x), y)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
+def test_runs_under_cuda_autocast(policy):
+    _autocast_case("cuda", torch.float16, torch.float16, policy)
 
 
 @pytest.mark.cuda

@@ -396,7 +396,7 @@ class SparseLinear(nn.Module):
             raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
         held = self._state()
         if x.dtype != held.dtype:
-            raise TypeError(f"x is {x.dtype} but the layer is {held.dtype}; cast the input or the layer")
+            return self._autocast_forward(x, held)
         bias = self._buffers["bias"]
         if self.format == "dense":  # one candidate, F.linear: nothing to choose or keep
             return F.linear(x, held.weight, bias)
@@ -420,6 +420,20 @@ class SparseLinear(nn.Module):
         # Every kernel's wrapper takes leading dimensions as F.linear does, so x goes as it is:
         # one flatten, in the wrapper.
         return self._run(self._choose(n, held), x, held.weight, bias)
+
+    def _autocast_forward(self, x: torch.Tensor, held: _Held) -> torch.Tensor:
+        """An x of another dtype than the layer's, which only autocast accepts: there nn.Linear
+        computes in autocast's dtype, so a model kept in float32 with fp16 or bf16 layers runs. A
+        dense layer goes to F.linear, which autocast casts; a compressed one takes x in its own dtype
+        (its weight stays as stored) and returns autocast's dtype, as nn.Linear would."""
+        kind = x.device.type
+        if not (x.is_floating_point() and torch.is_autocast_enabled(kind)):
+            raise TypeError(f"x is {x.dtype} but the layer is {held.dtype}; cast the input or the layer")
+        if self.format == "dense":
+            return F.linear(x, held.weight, self._buffers["bias"])
+        with torch.autocast(kind, enabled=False):  # (the decode + cuBLAS path calls F.linear)
+            y = self.forward(x.to(held.dtype))
+        return y.to(torch.get_autocast_dtype(kind))
 
     def policy_report(self, print_it: bool = True) -> str:
         """Per N bucket: the chosen kernel, each candidate's predicted time and, if measured

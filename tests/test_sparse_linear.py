@@ -349,6 +349,48 @@ def test_runs_under_autocast(policy, layer_dtype):
     _autocast_case("cpu", torch.bfloat16, layer_dtype, policy)
 
 
+def _inference_mode_case(device):
+    from tests.test_lowbit import random_gptq
+
+    lin = pruned_linear(72, 512, 0.5).to(device)
+    qweight, scales, qzeros, g_idx, w_gptq = random_gptq(512, 72, 4, 128, act_order=True)  # a perm
+    cases = [("sparse", lambda: SparseLinear.from_linear(lin, policy="sparse"), lin.weight),
+             ("dense", lambda: SparseLinear.from_linear(lin, policy="dense"), lin.weight),
+             ("gptq act-order", lambda: SparseLinear(spinfer.LowBitWeight.from_gptq(
+                 qweight, scales, qzeros, 4, 128, g_idx).to(device), lin.bias), w_gptq.to(device))]
+    for name, make, w in cases:
+        ref = lambda x: x.double() @ w.double().t() + lin.bias.double()
+        with torch.inference_mode():  # every buffer an inference tensor, which keeps no version counter
+            layer = make()
+            for n in (1, 1, 3):
+                x = torch.randn(n, 512, device=device).half()
+                assert rel_err(layer(x), ref(x)) <= 2e-3, name
+        x = torch.randn(2, 512, device=device).half()
+        with torch.no_grad():
+            assert rel_err(layer(x), ref(x)) <= 2e-3, name
+        layer.bias = torch.zeros_like(lin.bias)  # a replaced buffer is still seen
+        with torch.no_grad():
+            assert rel_err(layer(x), ref(x) - lin.bias.double()) <= 2e-3, name
+
+
+def test_built_and_run_under_inference_mode():
+    # Tensors made under torch.inference_mode keep no version counter, and reading one raised: a
+    # TCA-BME layer (or one with a perm) built there failed on its first call.
+    _inference_mode_case("cpu")
+
+
+def test_low_bit_weight_pickles_after_its_zeros_were_checked():
+    import io
+
+    q = spinfer.LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 128)
+    assert q.integer_zeros  # cached, with a weak reference that does not pickle
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert torch.equal(back.dequantize(), q.dequantize()) and back.integer_zeros
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -570,6 +612,11 @@ def test_a_model_saves_whole_after_eager_cuda_calls(policy):
 @pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
 def test_runs_under_cuda_autocast(policy):
     _autocast_case("cuda", torch.float16, torch.float16, policy)
+
+
+@pytest.mark.cuda
+def test_built_and_run_under_inference_mode_cuda():
+    _inference_mode_case("cuda")  # (with the kept launches and the low-bit zeros check)
 
 
 @pytest.mark.cuda

@@ -19,6 +19,7 @@ from ..ops.lowbit_mm import fused_max_n
 from ..ops.spmm import entry_args as spmm_entry_args
 from ..quant import LowBitWeight
 from ..timing import least_of_rounds
+from ..versions import changed, version_or_none
 from . import policy as P
 
 FORMATS = ("dense", "tca-bme", "lowbit")
@@ -59,7 +60,7 @@ class _Held:
                 return False
         if self.versions and not torch.compiler.is_compiling():  # (a traced _version is data)
             for t, v, p in self.versions:
-                if t._version != v or t.data_ptr() != p:  # (t.data = other moves no version counter)
+                if changed(t, v) or t.data_ptr() != p:  # (t.data = other moves no version counter)
                     return False
         return True
 
@@ -78,11 +79,11 @@ class _Launch:
 
     def __init__(self, fn, args, zeros=None):
         self.fn, self.args, self.generation = fn, args, tuning.generation()
-        self.zeros, self.zeros_version = zeros, None if zeros is None else zeros._version
+        self.zeros, self.zeros_version = zeros, None if zeros is None else version_or_none(zeros)
 
     def current(self) -> bool:
         return self.generation == tuning.generation() and (self.zeros is None or
-                                                           self.zeros._version == self.zeros_version)
+                                                           not changed(self.zeros, self.zeros_version))
 
 
 def _check_policy(policy: str) -> str:
@@ -228,7 +229,7 @@ class SparseLinear(nn.Module):
     def _snapshot(self) -> _Held:
         buffers = self._buffers
         arrays = tuple((name, buffers.get(name)) for name in _ARRAYS[self.format])
-        versions = tuple((t, t._version, t.data_ptr()) for t in (buffers.get(n) for n in _STRUCTURE[self.format])
+        versions = tuple((t, version_or_none(t), t.data_ptr()) for t in (buffers.get(n) for n in _STRUCTURE[self.format])
                          if t is not None)
         return _Held(arrays, versions)
 

@@ -34,6 +34,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..format.state import read_meta
+from ..versions import changed, version_or_none
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
@@ -251,7 +252,7 @@ class LowBitWeight:
         self.qweight, self.scale_zero, self.perm = qweight, scale_zero, perm
         # integer_zeros, once computed: (the flag, the scale_zero tensor it was computed from,
         # that tensor's version counter), so in-place edits and a new tensor both invalidate it
-        self._integer_zeros: Optional[Tuple[bool, "weakref.ref[torch.Tensor]", int]] = None
+        self._integer_zeros: Optional[Tuple[bool, "weakref.ref[torch.Tensor]", Optional[int]]] = None
         if validate:
             self.validate()
         else:
@@ -420,6 +421,10 @@ class LowBitWeight:
     def device(self) -> torch.device:
         return self.qweight.device
 
+    def __getstate__(self):
+        # (the integer-zeros cache holds a weak reference, which does not pickle; it is remade)
+        return {**self.__dict__, "_integer_zeros": None}
+
     @property
     def integer_zeros(self) -> bool:
         """Whether every zero point is one the fused kernel subtracts exactly with no check of
@@ -427,11 +432,12 @@ class LowBitWeight:
         fractional zeros. Computed on first use (one device sync) and cached until ``scale_zero``
         changes: in place (its version counter, which ``copy_``, ``load_state_dict`` and every
         in-place op bump) or by assigning another tensor. Writes through ``scale_zero.data``
-        bypass the version counter and are not seen."""
+        bypass the version counter and are not seen, nor are in-place writes to an inference
+        tensor (one made under ``torch.inference_mode``), which keeps no version counter."""
         cached = self.cached_integer_zeros()
         if cached is None:
             cached = exact_integer_zeros(self.scale_zero, self.bits)
-            self._integer_zeros = (cached, weakref.ref(self.scale_zero), self.scale_zero._version)
+            self._integer_zeros = (cached, weakref.ref(self.scale_zero), version_or_none(self.scale_zero))
         return cached
 
     def cached_integer_zeros(self) -> Optional[bool]:
@@ -440,7 +446,7 @@ class LowBitWeight:
         if self._integer_zeros is None:
             return None
         flag, ref, version = self._integer_zeros
-        if ref() is not self.scale_zero or version != self.scale_zero._version:
+        if ref() is not self.scale_zero or changed(self.scale_zero, version):
             return None
         return flag
 

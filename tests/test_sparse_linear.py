@@ -620,6 +620,20 @@ def test_built_and_run_under_inference_mode_cuda():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
+def test_empty_batches_cuda(policy):
+    # no tokens, through the kept launches too (N = 0 is a token count like any other)
+    lin = pruned_linear(96, 256, 0.5).cuda()
+    layer = SparseLinear.from_linear(lin, policy=policy, quant="w4" if policy == "lowbit" else None)
+    with torch.no_grad():
+        for shape in ((0, 256), (2, 0, 256), (0, 3, 256), (0, 256)):
+            y = layer(torch.randn(*shape, device="cuda").half())
+            assert y.shape == (*shape[:-1], 96) and y.dtype == torch.float16
+        x = torch.randn(2, 256, device="cuda").half()  # and the layer still computes
+        assert rel_err(layer(x), _expected(layer, x)) <= 2e-3
+
+
+@pytest.mark.cuda
 def test_a_dense_layer_keeps_no_launch_and_reads_its_buffers_on_every_call():
     lin = pruned_linear(300, 512, 0.0).cuda()
     layer = SparseLinear.from_linear(lin, policy="dense").cuda()

@@ -60,7 +60,9 @@ class _Held:
                 return False
         if self.versions and not torch.compiler.is_compiling():  # (a traced _version is data)
             for t, v, p in self.versions:
-                if changed(t, v) or t.data_ptr() != p:  # (t.data = other moves no version counter)
+                # versions.changed, inline on this per-call path (v is None: an inference tensor);
+                # t.data = other moves no version counter, hence the pointer
+                if (v is not None and t._version != v) or t.data_ptr() != p:
                     return False
         return True
 

@@ -753,7 +753,7 @@ def test_autotune_timing_survives_one_disturbed_median(monkeypatch):
         return next(clock)
 
     monkeypatch.setattr(timing, "median_time", fake_median)
-    monkeypatch.setattr(SparseLinear, "_run", lambda self, kern, x: ran.append(kern))
+    monkeypatch.setattr(SparseLinear, "_run", lambda self, kern, x, w, bias: ran.append(kern))
     times = layer._time_candidates(4)
     assert ran == list(layer.candidates()) * timing.ROUNDS
     assert times == {kern: 1e-4 for kern in layer.candidates()}

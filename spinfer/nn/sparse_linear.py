@@ -141,7 +141,6 @@ class SparseLinear(nn.Module):
         self._trusted = self._snapshot()  # buffers the layer made or checked itself
         # Derived now, not on the first call: a graph torch.compile traces before the first eager
         # call would otherwise guard on `_held is None`, and recompile after that call.
-        self._held = None
         self._derive()
         self._measured: Dict[tuple, Dict[str, float]] = {}  # autotune: (device, bucket) -> times
         self._choices: Dict[tuple, str] = {}  # (device, bucket) -> kernel, decided once
@@ -367,12 +366,11 @@ class SparseLinear(nn.Module):
             if P.LOWBIT in self.candidates() and n <= fused_max_n(w.bits):
                 tuning.tune_lowbit(w, [n], reps=10)
         x = torch.randn(n, self.in_features, device=self._device(), dtype=self.weight_dtype)
-        return least_of_rounds({kern: (lambda kern=kern: self._run(kern, x)) for kern in self.candidates()},
+        w, bias = self.weight_object(), self._buffers["bias"]
+        return least_of_rounds({kern: (lambda kern=kern: self._run(kern, x, w, bias)) for kern in self.candidates()},
                                x.device, reps=10, max_seconds=2)
 
-    def _run(self, kernel: str, x: torch.Tensor, w=None, bias=False) -> torch.Tensor:
-        w = self.weight_object() if w is None else w
-        bias = self._buffers["bias"] if bias is False else bias
+    def _run(self, kernel: str, x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if kernel == P.DENSE:
             return F.linear(x, w, bias)
         if kernel == P.SPMM:

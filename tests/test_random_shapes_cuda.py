@@ -1,9 +1,9 @@
 """Randomised shapes for every CUDA path a user reaches: the SMBD SpMM, the low-bit kernels (GEMV,
 fused, decode + cuBLAS) and SparseLinear, each against a float64 reference, into NaN-poisoned
-outputs where the op takes one. The parametrised tests pin the shapes the kernels were built
-around; these draw M, K and N from wide log-uniform ranges (1 to a few thousand), so tile, chunk,
-split and tail edges fall where nobody chose them. Every run draws new cases; a failure names its
-seed, and SPINFER_TEST_SEED=<seed> replays it."""
+outputs where the op takes one (the SpMM and low-bit tests' own helpers). The parametrised tests
+pin the shapes the kernels were built around; these draw M, K and N from wide log-uniform ranges
+(1 to a few thousand), so tile, chunk, split and tail edges fall where nobody chose them. Every
+run draws new cases; a failure names its seed, and SPINFER_TEST_SEED=<seed> replays it."""
 
 import math
 import os
@@ -17,6 +17,8 @@ from spinfer.format import TCABME
 from spinfer.nn import SparseLinear
 from spinfer.quant import LowBitWeight
 from tests.conftest import rel_err
+from tests.test_lowbit_cuda import fused, reference
+from tests.test_spmm_cuda import spmm_poisoned
 from tests.test_tca_bme import random_sparse
 
 pytestmark = pytest.mark.cuda
@@ -34,13 +36,6 @@ def seeds():
 
 def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
-
-
-def poisoned(fn, n, m, dtype):
-    out = torch.full((n, m), float("nan"), dtype=dtype, device="cuda")
-    fn(out)
-    assert not bool(out.isnan().any()), "output elements left unwritten"
-    return out
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +59,7 @@ def test_spmm_random_shape(seed):
     bias = torch.randn(m, device="cuda").to(dtype) if rng.random() < 0.5 else None
     ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     ref_norm = ref.norm().item()
-    y = poisoned(lambda out: torch.ops.spinfer.spmm_out(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64,
-                                                        enc.max_run, bias, 0, enc.row_offset, out=out), n, m, dtype)
+    y = spmm_poisoned(x, enc, bias)
     if ref_norm == 0:  # an all-zero weight without a bias
         assert torch.equal(y, torch.zeros_like(y)), case
         return
@@ -89,9 +83,8 @@ def test_lowbit_random_shape(seed):
     q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, group)
     x = torch.randn(n, k, device="cuda").to(dtype)
     bias = torch.randn(m, device="cuda").to(dtype) if rng.random() < 0.5 else None
-    # the CPU dequantizer, independent of the CUDA one
-    ref = x.double() @ q.to("cpu").dequantize().double().to("cuda").t() + (0 if bias is None else bias.double())
-    y = poisoned(lambda out: spinfer.lowbit_mm(x, q, bias, out=out), n, m, dtype)
+    ref = reference(x, q, bias)  # the CPU dequantizer, independent of the CUDA one
+    y = fused(x, q, bias)
     assert rel_err(y, ref) <= TOL[dtype], case
     assert rel_err(spinfer.lowbit_mm(x, q, bias), ref) <= TOL[dtype], case + " (allocating call)"
     layer = SparseLinear(q, bias, policy="lowbit")

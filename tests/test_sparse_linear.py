@@ -1,5 +1,7 @@
 """SparseLinear (storage, dispatch, persistence, module behaviour) and whole-model sparsify."""
 
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -119,6 +121,14 @@ def test_a_loaded_state_keeps_the_layers_dtype():
     assert rel_err(b(x.bfloat16()), a(x.half()).float()) < 1e-2
     with pytest.raises(TypeError, match="float16 but the layer is torch.bfloat16"):
         b(x.half())
+
+
+def saved_and_loaded(obj):
+    """``obj`` through torch.save and torch.load (whole-object pickling, as torch.save(model) does)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def _expected(layer, x):
@@ -293,10 +303,8 @@ def test_compiled_before_the_first_eager_call(policy):
             ys.append(compiled(xs[1]))
             layer(torch.randn(5, 256).half())
             ys.append(compiled(xs[2]))
-    w = layer.weight_object()
-    w = (w.dequantize() if policy == "lowbit" else w.to_dense() if policy == "sparse" else w).double()
     for x, y in zip(xs, ys):
-        assert rel_err(y, x.double() @ w.t() + lin.bias.double()) <= 2e-3
+        assert rel_err(y, _expected(layer, x)) <= 2e-3
 
 
 @pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
@@ -304,7 +312,6 @@ def test_pickles_and_deep_copies_after_calls(policy):
     # What a layer derives, and the eager launches it keeps on CUDA (the extension's entry points,
     # which do not pickle), stay out of torch.save(module) and copy.deepcopy; the copy derives again.
     import copy
-    import io
 
     from spinfer.nn.sparse_linear import _Launch
 
@@ -317,10 +324,7 @@ def test_pickles_and_deep_copies_after_calls(policy):
         raise AssertionError("a copy called the original's kept launch")
 
     layer._held.launches[3] = _Launch(unpicklable, ())  # as a CUDA call keeps one
-    buf = io.BytesIO()
-    torch.save(layer, buf)
-    buf.seek(0)
-    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(layer)):
+    for twin in (saved_and_loaded(layer), copy.deepcopy(layer)):
         assert twin._held is not None and not twin._held.launches
         assert torch.equal(twin(x), y)
 
@@ -328,15 +332,13 @@ def test_pickles_and_deep_copies_after_calls(policy):
 def _autocast_case(device, autocast_dtype, layer_dtype, policy):
     lin = pruned_linear(64, 256, 0.5, dtype=layer_dtype).to(device)
     layer = SparseLinear.from_linear(lin, policy=policy, quant="w8" if policy == "lowbit" else None)
-    w = layer.weight_object()
-    w = (w.dequantize() if policy == "lowbit" else w.to_dense() if policy == "sparse" else w).double()
     x = torch.randn(3, 5, 256, device=device)  # float32, as in a model kept in float32
     with torch.autocast(device, dtype=autocast_dtype), torch.no_grad():
         y = layer(x)
     assert y.dtype == autocast_dtype  # as nn.Linear's under autocast
     # x rounded to the dtype the product ran in: the layer's (compressed) or autocast's (dense)
-    xr = x.to(layer_dtype if policy != "dense" else autocast_dtype).double()
-    assert rel_err(y, xr @ w.t() + lin.bias.double()) <= 1e-2, (policy, layer_dtype)
+    xr = x.to(layer_dtype if policy != "dense" else autocast_dtype)
+    assert rel_err(y, _expected(layer, xr)) <= 1e-2, (policy, layer_dtype)
     with pytest.raises(TypeError, match="float32 but the layer is"):
         layer(x)  # outside autocast a dtype mismatch is an error, as before
 
@@ -380,14 +382,9 @@ def test_built_and_run_under_inference_mode():
 
 
 def test_low_bit_weight_pickles_after_its_zeros_were_checked():
-    import io
-
     q = spinfer.LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 128)
     assert q.integer_zeros  # cached, with a weak reference that does not pickle
-    buf = io.BytesIO()
-    torch.save(q, buf)
-    buf.seek(0)
-    back = torch.load(buf, weights_only=False)
+    back = saved_and_loaded(q)
     assert torch.equal(back.dequantize(), q.dequantize()) and back.integer_zeros
 
 
@@ -593,8 +590,6 @@ def test_eager_calls_between_compiled_ones_cause_no_recompile():
 def test_a_model_saves_whole_after_eager_cuda_calls(policy):
     # torch.save(model) pickles each module: a layer that kept an eager launch (an entry point of
     # the extension) failed there until the sixtieth session.
-    import io
-
     lin = pruned_linear(300, 512, 0.5).cuda()
     model = nn.Sequential(SparseLinear.from_linear(lin, policy=policy, quant="w4" if policy == "lowbit" else None),
                           nn.ReLU())
@@ -602,10 +597,7 @@ def test_a_model_saves_whole_after_eager_cuda_calls(policy):
     with torch.no_grad():
         y = model(x)
         assert model[0]._held.launches[1] is not None
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        assert torch.equal(torch.load(buf, weights_only=False)(x), y)
+        assert torch.equal(saved_and_loaded(model)(x), y)
 
 
 @pytest.mark.cuda

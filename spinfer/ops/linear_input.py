@@ -85,7 +85,7 @@ def direct_call_ok(x, bias) -> bool:
     At batch 1 an eager decode step is bound by host time, and the dispatcher's matching of the
     arguments to the schema is a large part of a call's (docs/policy.md)."""
     return (type(x) is torch.Tensor and x.is_cuda and (bias is None or type(bias) is torch.Tensor)
-            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+            and not needs_input_grad(x, bias)
             and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
             and torch._C._len_torch_dispatch_stack() == 0)
 

@@ -16,7 +16,8 @@ import torch
 if sys.byteorder != "little":  # pragma: no cover - every CUDA host is little-endian
     raise ImportError("spinfer's bitmap packing assumes a little-endian host")
 
-_POPCOUNT_LUT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
+_INT64_MAX = 0x7FFF_FFFF_FFFF_FFFF
+_M1, _M2, _M4 = 0x5555_5555_5555_5555, 0x3333_3333_3333_3333, 0x0F0F_0F0F_0F0F_0F0F
 
 
 def pack_bitmaps(mask: torch.Tensor) -> torch.Tensor:
@@ -40,12 +41,23 @@ def unpack_bitmaps(words: torch.Tensor) -> torch.Tensor:
 
 
 def popcount64(words: torch.Tensor) -> torch.Tensor:
-    """Number of set bits of each int64 word, as int64."""
+    """Number of set bits of each int64 word, as int64.
+
+    The SWAR count on the word itself (pairs, nibbles, bytes, then the bytes summed by shifts)
+    instead of a 256-entry table indexed by each byte: the table widened every byte to an int64
+    index, and on a 14336x4096 weight's bitmap it took 92 ms on the CPU where this takes ~10.
+    Loading a layer counts its bitmap up to three times (validation, row table, nnz). The sign bit
+    is counted apart, so that no intermediate overflows int64 (torch has no uint64 arithmetic)."""
     if words.dtype != torch.int64:
         raise TypeError(f"bitmap words must be torch.int64, got {words.dtype}")
-    byte = words.contiguous().view(torch.uint8).reshape(*words.shape, 8)
-    lut = _POPCOUNT_LUT.to(words.device)
-    return lut[byte.long()].sum(-1, dtype=torch.int64)
+    x = words & _INT64_MAX
+    x = (x & _M1) + ((x >> 1) & _M1)
+    x = (x & _M2) + ((x >> 2) & _M2)
+    x = (x + (x >> 4)) & _M4
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = (x + (x >> 32)) & 0x7F
+    return x + (words < 0)
 
 
 def popcount_int(word: int) -> int:

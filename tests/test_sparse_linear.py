@@ -699,6 +699,73 @@ def test_save_load_whole_model(tmp_path):
         spinfer.load(MLP(), plain)
 
 
+class ThreeFormats(nn.Sequential):
+    """One layer of each stored format, and a module of plain parameters between them."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        with torch.device(device or "cpu"):
+            self.sparse = nn.Linear(256, 128, dtype=torch.float16)
+            self.norm = nn.LayerNorm(128, dtype=torch.float16)
+            self.w4 = nn.Linear(128, 96, dtype=torch.float16)
+            self.dense = nn.Linear(96, 64, bias=False, dtype=torch.float16)
+
+    def sparsified(self):
+        nn.init.normal_(self.norm.weight)
+        self.sparse = SparseLinear.from_linear(pruned_linear(128, 256, 0.6), policy="sparse")
+        self.w4 = SparseLinear.from_linear(pruned_linear(96, 128, 0.0), quant="w4", policy="lowbit")
+        self.dense = SparseLinear.from_linear(pruned_linear(64, 96, 0.0, bias=False), policy="dense")
+        return self
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_load_builds_placeholders_as_stored_and_fills_a_meta_model(tmp_path, monkeypatch, device):
+    # spinfer.load's placeholder layers are made as their arrays are stored (encoding or
+    # quantizing a zero matrix took most of a large layer's load), and a model built on the meta
+    # device, which holds no weights, gets the file's tensors assigned instead of copies that
+    # would do nothing (torch only warns about those).
+    from spinfer.quant import LowBitWeight
+
+    model = ThreeFormats().sparsified()
+    path = tmp_path / "model.safetensors"
+    spinfer.save(model, path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a placeholder was encoded or quantized")
+
+    monkeypatch.setattr(spinfer.TCABME, "from_dense", refuse)
+    monkeypatch.setattr(LowBitWeight, "quantize", refuse)
+    fresh = spinfer.load(ThreeFormats(device), path)
+    assert [fresh.sparse.format, fresh.w4.format, fresh.dense.format] == ["tca-bme", "lowbit", "dense"]
+    assert not any(t.is_meta for t in (*fresh.parameters(), *fresh.buffers()))
+    x = torch.randn(3, 256).half()
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_a_loaded_low_bit_state_sets_the_permutation(tmp_path):
+    # Act order (a GPTQ g_idx) is part of the weight: a state with a perm loads into a layer built
+    # without one (by load_state_dict and by spinfer.load), and one without drops the layer's.
+    lin = pruned_linear(64, 256, 0.0)
+    with_perm = SparseLinear.from_linear(lin, quant="w4", policy="lowbit")
+    with_perm.perm = torch.randperm(256)
+    plain = SparseLinear.from_linear(lin, quant="w4", policy="lowbit")
+    x = torch.randn(3, 256).half()
+    y_perm, y_plain = with_perm(x), plain(x)
+    assert not torch.equal(y_perm, y_plain)
+    fresh = SparseLinear.from_linear(lin, quant="w4", policy="lowbit")
+    fresh.load_state_dict(with_perm.state_dict())
+    assert torch.equal(fresh.perm, with_perm.perm) and torch.equal(fresh(x), y_perm)
+    fresh.load_state_dict(plain.state_dict())
+    assert fresh.perm is None and torch.equal(fresh(x), y_plain)
+    bad = with_perm.state_dict()
+    bad["perm"] = torch.zeros(256, dtype=torch.int64)
+    with pytest.raises(ValueError, match="permutation"):
+        fresh.load_state_dict(bad)
+    path = tmp_path / "perm.safetensors"
+    spinfer.save(nn.Sequential(with_perm), path)
+    assert torch.equal(spinfer.load(nn.Sequential(nn.Linear(256, 64).half()), path)(x), y_perm)
+
+
 def test_autotune_measures_once_and_persists(tmp_path, monkeypatch):
     monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))
     lin = pruned_linear(256, 512, 0.5)

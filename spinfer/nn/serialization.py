@@ -4,9 +4,10 @@ format and its shape, so loading can rebuild those layers in a freshly built (de
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -27,27 +28,43 @@ def save(model: nn.Module, path: Union[str, Path]) -> None:
 
 def _empty_layer(meta: torch.Tensor, policy: str, bias: bool, dtype) -> SparseLinear:
     """A SparseLinear of the stored format and shape, with placeholder arrays that
-    load_state_dict then replaces (TCA-BME arrays are resized to the stored ones)."""
-    from ..format import TCABME
+    load_state_dict then replaces (TCA-BME arrays are resized to the stored ones). The arrays
+    are made as they are stored, not by encoding or quantizing a zero matrix: that took 0.43 s
+    of a 14336x4096 TCA-BME layer's 0.69 s load on the CPU."""
+    from ..format import TCABME, Geometry
+    from ..format.tca_bme import row_table_dtype
     from ..quant import LowBitWeight
+    from ..quant.lowbit import ROW_BLOCK, qweight_shape, resolve_group_size
 
     _, code, m, k, a0, a1, _, _ = (int(v) for v in meta.tolist())
     fmt = {v: f for f, v in _FORMAT_CODE.items()}.get(code)
-    zeros = torch.zeros(m, k, dtype=dtype)
     b = torch.zeros(m, dtype=dtype) if bias else None
     if fmt == "dense":
-        return SparseLinear(zeros, b, policy=policy)
-    if fmt == "tca-bme":
-        return SparseLinear(TCABME.from_dense(zeros, group_tile=(a0, a1)), b, policy=policy)
-    if fmt == "lowbit":
-        return SparseLinear(LowBitWeight.quantize(zeros, a0, a1), b, policy=policy)
+        return SparseLinear(torch.zeros(m, k, dtype=dtype), b, policy=policy)
+    if fmt == "tca-bme":  # an all-zero weight: empty bitmaps, no values, empty runs
+        geom = Geometry(m, k, a0, a1)
+        weight = TCABME(torch.zeros(geom.num_bitmap_tiles, dtype=torch.int64), torch.zeros(0, dtype=dtype),
+                        torch.zeros(geom.num_group_tiles + 1, dtype=torch.int32), (m, k), (a0, a1), validate=False,
+                        max_run=0, row_offset=torch.zeros(geom.num_group_tiles, a0 // 16, dtype=row_table_dtype(geom)))
+        weight._nnz = 0
+        return SparseLinear(weight, b, policy=policy)
+    if fmt == "lowbit":  # q = 0 with zero scales
+        g = resolve_group_size(a1, k)
+        scale_zero = torch.zeros(-(-m // ROW_BLOCK), k // g, ROW_BLOCK, 2, dtype=dtype)
+        weight = LowBitWeight(torch.zeros(qweight_shape(m, k, a0), dtype=torch.int32), None, None, a0, g, (m, k),
+                              scale_zero=scale_zero, validate=False)
+        return SparseLinear(weight, b, policy=policy)
     raise ValueError(f"unknown SparseLinear format code {code}")
 
 
-def load(model: nn.Module, path: Union[str, Path], device: Union[str, torch.device, None] = None) -> nn.Module:
+def load(model: nn.Module, path: Union[str, Path], device: Union[str, torch.device, None] = None, *,
+         assign: Optional[bool] = None) -> nn.Module:
     """Load a file written by :func:`save` into ``model`` (built the same way, before or after
     sparsify): every layer named in the file's manifest becomes a SparseLinear of the stored
-    format; the arrays are validated. Returns ``model``."""
+    format; the arrays are validated. ``assign`` as for ``load_state_dict``: the file's tensors
+    become the model's instead of being copied into them; by default it is on where the model
+    has tensors on the meta device (built under ``torch.device("meta")`` so that no dense weight
+    is ever allocated), into which a copy would do nothing. Returns ``model``."""
     from safetensors import safe_open
 
     try:
@@ -78,7 +95,9 @@ def load(model: nn.Module, path: Union[str, Path], device: Union[str, torch.devi
                              values[0].dtype if values else torch.float16)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-    model.load_state_dict(state)
+    if assign is None:
+        assign = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    model.load_state_dict(state, assign=assign)
     if device is not None:
         model.to(device)
     return model

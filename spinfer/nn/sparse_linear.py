@@ -486,6 +486,14 @@ class SparseLinear(nn.Module):
             if buf is not None and incoming is not None and incoming.shape != buf.shape and self.format == "tca-bme":
                 dtype = buf.dtype if buf.is_floating_point() else incoming.dtype
                 self._buffers[name] = torch.empty(incoming.shape, dtype=dtype, device=buf.device)
+        # A low-bit weight's column permutation (act order: GPTQ's g_idx) comes with the weight
+        # too: a state that carries the weight sets whether the layer has one.
+        if self.format == "lowbit" and prefix + "qweight" in state_dict:
+            incoming = state_dict.get(prefix + "perm")
+            if incoming is None:
+                self._buffers["perm"] = None
+            elif self._buffers.get("perm") is None:
+                self._buffers["perm"] = torch.empty(incoming.shape, dtype=torch.int64, device=self.qweight.device)
         state = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self._aux = tuple(int(v) for v in theirs[4:8])

@@ -22,6 +22,7 @@ def encoded(shape=(100, 130), sparsity=0.5):
         (torch.ones(0, 8, dtype=torch.float16), ValueError, "empty"),
         (torch.ones(8, 0, dtype=torch.float16), ValueError, "empty"),
         ([[1.0]], TypeError, "torch.Tensor"),
+        (torch.ones(8, 8, dtype=torch.float16, device="meta"), ValueError, "meta device"),
     ],
 )
 def test_from_dense_rejects(weight, error, words):

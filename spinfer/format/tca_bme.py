@@ -218,6 +218,9 @@ def check_weight(weight) -> None:
         )
     if weight.shape[0] == 0 or weight.shape[1] == 0:
         raise ValueError(f"weight has an empty dimension: shape {tuple(weight.shape)}")
+    if weight.is_meta:  # (the arrays' lengths depend on where the nonzeros are)
+        raise ValueError("a weight on the meta device has no values to encode; build the layer from a real "
+                         "weight, or build the model on the meta device and fill it with spinfer.load")
 
 
 def check_structure(bitmap, values, gtile_offset, geom: Geometry) -> None:

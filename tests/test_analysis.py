@@ -200,7 +200,7 @@ def test_steady_time_measures_a_suspect_cell_again():
 
 
 def test_time_against_cublas_flags_a_slow_op_and_measures_it_three_times():
-    """On the CPU clock: an op far above 3x its previous-N time is measured three times and
+    """On the CPU clock: an op far above 2x its previous-N time is measured three times and
     comes back with a warning naming it; cuBLAS within its bound, and rows past N = 64, are
     measured once and carry none."""
     import time
@@ -220,6 +220,17 @@ def test_time_against_cublas_flags_a_slow_op_and_measures_it_three_times():
     calls.clear()
     assert time_against_cublas(lambda: None, slow, cpu, 3, 128, 1.0, (64, 1e-5), "the op")[2] == []
     assert len(calls) == 5 + 3
+
+
+def test_op_bound_catches_a_doubled_decode_cell_and_spares_the_compute_bound_step():
+    """A decode-size row at 2.15x its previous N (a disturbed median, sixty-first session) is measured
+    again; the N = 32 -> 64 step, where the fused low-bit kernels grew by up to 2.05x, is not."""
+    from spinfer.bench import op_bound, steady_time
+
+    assert [op_bound(n) for n in (1, 8, 16, 32, 33, 64)] == [2.0] * 4 + [3.0] * 2
+    medians = iter([57.9e-6, 26.7e-6])
+    assert steady_time(lambda: next(medians), bound=op_bound(16) * 26.9e-6) == (26.7e-6, False)
+    assert steady_time(lambda: 58.0e-6, bound=op_bound(64) * 28.3e-6) == (58.0e-6, False)
 
 
 def test_summaries_leave_out_suspect_cells(capsys):

@@ -366,18 +366,21 @@ def test_copies_trust_what_the_original_trusted(policy, monkeypatch):
             copy.deepcopy(layer)
 
 
-def _autocast_case(device, autocast_dtype, layer_dtype, policy):
+def _autocast_case(device, autocast_dtype, layer_dtype, policy, x_dtype=torch.float32):
     lin = pruned_linear(64, 256, 0.5, dtype=layer_dtype).to(device)
     layer = SparseLinear.from_linear(lin, policy=policy, quant="w8" if policy == "lowbit" else None)
-    x = torch.randn(3, 5, 256, device=device)  # float32, as in a model kept in float32
+    x = torch.randn(3, 5, 256, device=device).to(x_dtype)  # float32: as in a model kept in float32
     with torch.autocast(device, dtype=autocast_dtype), torch.no_grad():
         y = layer(x)
     assert y.dtype == autocast_dtype  # as nn.Linear's under autocast
     # x rounded to the dtype the product ran in: the layer's (compressed) or autocast's (dense)
     xr = x.to(layer_dtype if policy != "dense" else autocast_dtype)
     assert rel_err(y, _expected(layer, xr)) <= 1e-2, (policy, layer_dtype)
-    with pytest.raises(TypeError, match="float32 but the layer is"):
-        layer(x)  # outside autocast a dtype mismatch is an error, as before
+    if x_dtype == layer_dtype:
+        assert layer(x).dtype == layer_dtype  # outside autocast, the layer's own
+    else:
+        with pytest.raises(TypeError, match="float32 but the layer is"):
+            layer(x)  # outside autocast a dtype mismatch is an error, as before
 
 
 @pytest.mark.parametrize("layer_dtype", [torch.float16, torch.bfloat16])
@@ -386,6 +389,13 @@ def test_runs_under_autocast(policy, layer_dtype):
     # A model kept in float32 and run under autocast feeds float32 activations: nn.Linear casts
     # them, and so does a SparseLinear (to its own dtype; it returns autocast's, as nn.Linear).
     _autocast_case("cpu", torch.bfloat16, layer_dtype, policy)
+
+
+@pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
+def test_autocast_to_another_half_dtype_returns_it(policy):
+    # x in the layer's dtype, autocast in the other 16-bit one: nn.Linear computes and returns
+    # autocast's dtype, and so does a SparseLinear (a compressed one computes in its own).
+    _autocast_case("cpu", torch.float16, torch.bfloat16, policy, x_dtype=torch.bfloat16)
 
 
 def _inference_mode_case(device):
@@ -641,6 +651,7 @@ def test_a_model_saves_whole_after_eager_cuda_calls(policy):
 @pytest.mark.parametrize("policy", ["sparse", "lowbit", "dense"])
 def test_runs_under_cuda_autocast(policy):
     _autocast_case("cuda", torch.float16, torch.float16, policy)
+    _autocast_case("cuda", torch.bfloat16, torch.float16, policy, x_dtype=torch.float16)
 
 
 @pytest.mark.cuda

@@ -45,7 +45,7 @@ def popcount64(words: torch.Tensor) -> torch.Tensor:
 
     The SWAR count on the word itself (pairs, nibbles, bytes, then the bytes summed by shifts)
     instead of a 256-entry table indexed by each byte: the table widened every byte to an int64
-    index, and on a 14336x4096 weight's bitmap it took 92 ms on the CPU where this takes ~10.
+    index, and on a 14336x4096 weight's bitmap it took 92 ms on the CPU where this takes ~18.
     Loading a layer counts its bitmap up to three times (validation, row table, nnz). The sign bit
     is counted apart, so that no intermediate overflows int64 (torch has no uint64 arithmetic)."""
     if words.dtype != torch.int64:

@@ -34,7 +34,7 @@ def _empty_layer(meta: torch.Tensor, policy: str, bias: bool, dtype) -> SparseLi
     from ..format import TCABME, Geometry
     from ..format.tca_bme import row_table_dtype
     from ..quant import LowBitWeight
-    from ..quant.lowbit import ROW_BLOCK, qweight_shape, resolve_group_size
+    from ..quant.lowbit import qweight_shape, resolve_group_size, tile_scale_zero
 
     _, code, m, k, a0, a1, _, _ = (int(v) for v in meta.tolist())
     fmt = {v: f for f, v in _FORMAT_CODE.items()}.get(code)
@@ -45,12 +45,12 @@ def _empty_layer(meta: torch.Tensor, policy: str, bias: bool, dtype) -> SparseLi
         geom = Geometry(m, k, a0, a1)
         weight = TCABME(torch.zeros(geom.num_bitmap_tiles, dtype=torch.int64), torch.zeros(0, dtype=dtype),
                         torch.zeros(geom.num_group_tiles + 1, dtype=torch.int32), (m, k), (a0, a1), validate=False,
-                        max_run=0, row_offset=torch.zeros(geom.num_group_tiles, a0 // 16, dtype=row_table_dtype(geom)))
+                        max_run=0, row_offset=torch.zeros(geom.num_group_tiles, geom.gt_h // 16, dtype=row_table_dtype(geom)))
         weight._nnz = 0
         return SparseLinear(weight, b, policy=policy)
     if fmt == "lowbit":  # q = 0 with zero scales
         g = resolve_group_size(a1, k)
-        scale_zero = torch.zeros(-(-m // ROW_BLOCK), k // g, ROW_BLOCK, 2, dtype=dtype)
+        scale_zero = tile_scale_zero(torch.zeros(m, k // g, 2, dtype=dtype))  # (the stored layout's one definition)
         weight = LowBitWeight(torch.zeros(qweight_shape(m, k, a0), dtype=torch.int32), None, None, a0, g, (m, k),
                               scale_zero=scale_zero, validate=False)
         return SparseLinear(weight, b, policy=policy)

@@ -2,8 +2,7 @@
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
 variants, the three register budgets, the rows above counted by the producer warp, by each warp or read
 from the weight's row table (also a corrupt one), the next stage requested after the
-first has landed or with it, the balanced grid (rows split among blocks unevenly), a corrupt offsets
-array, fp16 and bf16; the fused low-bit kernel at every
+first has landed or with it, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
@@ -45,28 +44,6 @@ for m, k, n, splits, stages, decode, budget, count, stagger in [
         garbage = torch.randint(-32768, 32767, enc.row_offset.shape, dtype=torch.int16, device="cuda")
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, m, k, 64, 64, enc.max_run, None, 0, garbage)
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, 8)  # too small
-# the balanced grid (SpmmPlan::stream_blocks): blocks that end one GroupTile row mid-loop and store
-# it on the decoding warps' own barrier, rows summed from 1 to 8 blocks, both ways of knowing the rows
-# above (0.3: the producer counts; 0.5: the row table), corrupt offsets
-for var in ("SPINFER_SPLITS", "SPINFER_STAGES", "SPINFER_DECODE", "SPINFER_MIN_BLOCKS", "SPINFER_COUNT_ROWS",
-            "SPINFER_STAGGER"):
-    os.environ.pop(var)
-os.environ["SPINFER_SPMM_STREAM"] = "1"
-for blocks in ("65", "97", "520"):
-    os.environ["SPINFER_STREAM_BLOCKS"] = blocks
-    for sparsity, dt in ((0.3, torch.float16), (0.5, torch.bfloat16)):
-        w = torch.randn(4097, 1000, device="cuda").to(dt)
-        w[torch.rand(4097, 1000, device="cuda") < sparsity] = 0
-        enc = TCABME.from_dense(w)
-        for n in (1, 8):
-            x = torch.randn(n, 1000, device="cuda").to(dt)
-            spinfer.spmm(x, enc, torch.randn(4097, device="cuda").to(dt))
-            off = enc.gtile_offset.clone()
-            off[1] = 2**31 - 1
-            torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, off, 4097, 1000, 64, 64, enc.max_run, None, 0,
-                                   enc.row_offset)
-os.environ.pop("SPINFER_SPMM_STREAM")
-os.environ.pop("SPINFER_STREAM_BLOCKS")
 from spinfer.quant import LowBitWeight  # noqa: E402
 
 for bits in (1, 2, 4, 8):

@@ -342,7 +342,6 @@ def test_split_rule_picks_the_least_cost(dtype, fixed, monkeypatch):
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
     monkeypatch.delenv("SPINFER_SPLIT_MARGIN", raising=False)
     monkeypatch.delenv("SPINFER_SPLIT_CAP", raising=False)
-    monkeypatch.setenv("SPINFER_SPMM_STREAM", "0")  # the split grid (the balanced one: its own tests)
     if fixed is None:
         monkeypatch.delenv("SPINFER_SPLIT_FIXED", raising=False)
     else:
@@ -374,7 +373,6 @@ def test_split_rule_caps_blocks_per_sm_for_dense_8_token_tiles(monkeypatch):
     and N = 16, get the cost rule's count."""
     for var in ("SPINFER_SPLITS", "SPINFER_SPLIT_MARGIN", "SPINFER_SPLIT_CAP"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SPINFER_SPMM_STREAM", "0")  # the split grid (the balanced one: its own tests)
     skip_unless_bulk_loader()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m, k, max_run, n, expect in CAP_CASES:
@@ -397,123 +395,11 @@ def test_split_cap_override_follows_the_rule(cap, monkeypatch):
     and the planner then launches what rule_splits defines with it."""
     for var in ("SPINFER_SPLITS", "SPINFER_SPLIT_MARGIN"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SPINFER_SPMM_STREAM", "0")  # the split grid (the balanced one: its own tests)
     skip_unless_bulk_loader()
     monkeypatch.setenv("SPINFER_SPLIT_CAP", cap)
     for m, k, max_run, n, _ in CAP_CASES:
         chosen, defined = rule_splits(m, k, max_run, n, torch.float16, cap=int(cap) / 10)
         assert chosen == defined, f"{m}x{k} max_run {max_run} N={n} cap {cap}: planner {chosen}, rule {defined}"
-
-
-STREAM_ENV = ("SPINFER_SPLITS", "SPINFER_SPLIT_CAP", "SPINFER_SPMM_STREAM", "SPINFER_STREAM_BPS",
-              "SPINFER_STREAM_BLOCKS", "SPINFER_BN", "SPINFER_MIN_BLOCKS", "SPINFER_COUNT_ROWS", "SPINFER_ROW_TABLE")
-
-
-def test_balanced_grid_where_the_split_grid_leaves_sms_short(monkeypatch):
-    """Where the split rule caps the grid at 4 blocks per SM (the sm_90 loader at N <= 8, longest
-    run >= 45% of a GroupTile), the decoding warps read the row table (longest run < 60%), no split
-    count is asked for, and the split grid's blocks fill less than 0.9 of their ceiling per SM, the
-    planner launches the balanced grid instead: 4 blocks per SM sharing the GroupTile pairs equally
-    (at most a row's worth each); `splits` is then the most blocks a row can meet and `k_per_split`
-    a block's most GroupTiles. Nowhere else: not where the split grid is even, not at N = 16, not
-    for sparser or denser weights, not with a split count asked for, not where a GroupTile row has
-    an odd number of columns, not under SPINFER_SPMM_STREAM=0."""
-    for var in STREAM_ENV:
-        monkeypatch.delenv(var, raising=False)
-    skip_unless_bulk_loader()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chosen = 0
-    for m, k in [(28672, 8192), (14336, 4096), (4096, 14336), (8192, 28672), (18944, 3584), (6144, 4096)]:
-        monkeypatch.setenv("SPINFER_SPMM_STREAM", "0")
-        split = plan_of(m, k, 2200, 1)
-        monkeypatch.delenv("SPINFER_SPMM_STREAM")
-        p = plan_of(m, k, 2200, 1)
-        blocks = split["grid_m"] * split["splits"]
-        uneven = 10 * blocks < 9 * (-(-blocks // sms) * sms)
-        if not uneven:
-            assert p["stream_blocks"] == 0 and p["splits"] == split["splits"], (m, k, p)
-            continue
-        chosen += 1
-        per_row, total = k // 128, (m // 64) * (k // 128)
-        stream = min(4 * sms, total)
-        assert p["stream_blocks"] == stream, (m, k, p)
-        assert p["k_per_split"] == 2 * -(-total // stream) and p["k_per_split"] <= k // 64, (m, k, p)
-        assert p["splits"] == (per_row - 1) // (total // stream) + 2, (m, k, p)
-        assert plan_of(m, k, 2200, 8)["stream_blocks"] == stream
-        for off in (plan_of(m, k, 2200, 16), plan_of(m, k, 1360, 1), plan_of(m, k, 2900, 1),
-                    plan_of(m, k, 2200, 1, splits=3)):
-            assert off["stream_blocks"] == 0, (m, k, off)
-        monkeypatch.setenv("SPINFER_SPLITS", "2")
-        assert plan_of(m, k, 2200, 1)["stream_blocks"] == 0
-        monkeypatch.delenv("SPINFER_SPLITS")
-    if sms == 132:  # an H100 SXM's: 448 blocks (28672x8192) fill 0.85 of 528
-        assert chosen >= 3
-    assert plan_of(300, 1450, 2200, 1)["stream_blocks"] == 0  # 23 GroupTile columns: pairs would straddle rows
-
-
-def stream_forced(monkeypatch, blocks):
-    for var in STREAM_ENV:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SPINFER_SPMM_STREAM", "1")
-    monkeypatch.setenv("SPINFER_STREAM_BLOCKS", str(blocks))
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("sparsity", [0.3, 0.5])
-def test_balanced_grid_matches_float64(monkeypatch, sparsity, dtype):
-    """The balanced grid on an odd shape (4097 x 1000: 65 GroupTile rows of 8 pairs), forced to
-    block counts from one row a block (every row stored by one block) to one pair a block (every
-    row summed from 8 blocks' partials), through ones that share rows unevenly; both ways the rows
-    above are known (0.3: the producer counts them; 0.5: the row table), N = 1, 3 and 8, bias, every
-    output element written, the same bits on a second run."""
-    skip_unless_bulk_loader()
-    w = random_sparse((4097, 1000), sparsity, dtype, device="cuda")
-    enc = TCABME.from_dense(w)
-    b = torch.randn(4097, device="cuda").to(dtype)
-    for blocks in (65, 66, 97, 130, 173, 300, 520):
-        stream_forced(monkeypatch, blocks)
-        for n in (1, 3, 8):
-            p = spmm_plan(enc, n, dtype=dtype)
-            assert p["stream_blocks"] == blocks and p["count_rows"] == (sparsity == 0.3), (blocks, n, p)
-            x = torch.randn(n, 1000, device="cuda").to(dtype)
-            y = spmm_poisoned(x, enc, b)
-            err = rel_err(y, x.double() @ w.double().t() + b.double())
-            assert err <= TOL[dtype], f"{blocks} blocks, N={n}: rel err {err:.2e}"
-            assert torch.equal(y, spmm_poisoned(x, enc, b)), (blocks, n)
-    stream_forced(monkeypatch, 64)  # a block would cross two row ends: the split grid
-    assert spmm_plan(enc, 1, dtype=dtype)["stream_blocks"] == 0
-
-
-@pytest.mark.parametrize("name", ["one_dense_group_tile", "empty_rows", "dense_first_column",
-                                  "one_dense_row", "checkerboard_group_tiles", "last_row_and_column"])
-def test_balanced_grid_adversarial_patterns(monkeypatch, name):
-    """The adversarial patterns on a 200 x 1024 weight (4 GroupTile rows of 8 pairs) under the
-    balanced grid of 4 to 32 blocks."""
-    skip_unless_bulk_loader()
-    w = adversarial(name, k=1024).half()
-    for blocks in (4, 5, 7, 13, 32):
-        stream_forced(monkeypatch, blocks)
-        assert plan_of(200, 1024, 4096, 1)["stream_blocks"] == blocks
-        check(w, [1, 8], torch.float16)
-
-
-def test_balanced_grid_in_a_cuda_graph(monkeypatch):
-    """Replays of a captured balanced-grid launch: the row counters re-armed by every launch."""
-    skip_unless_bulk_loader()
-    stream_forced(monkeypatch, 97)
-    w = random_sparse((4097, 1000), 0.5, torch.float16, device="cuda")
-    enc = TCABME.from_dense(w)
-    x = torch.randn(1, 1000, device="cuda").half()
-    assert spmm_plan(enc, 1)["stream_blocks"] == 97
-    spinfer.spmm(x, enc)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = spinfer.spmm(x, enc)
-    for _ in range(3):
-        x.copy_(torch.randn(1, 1000, device="cuda").half())
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(y, x.double() @ w.double().t()) <= 2e-3
 
 
 @pytest.mark.parametrize("stages", ["2", "3", "4"])

@@ -75,44 +75,6 @@ __device__ __forceinline__ bool arrive_last(int32_t* counters, int64_t tile, int
   return *s_is_last;
 }
 
-// A split's partial tile of `tile`: this lane's accumulators (rows m_local and m_local + 8 of the
-// tile, token columns nb*8 + 2*(lane%4) (+1)), the tokens below N only, token-major.
-template <int BN, int kBlockRows>
-__device__ __forceinline__ void store_partial(const TileOut& o, int64_t tile, int64_t split_stride, int split,
-                                              int n0, int m_local, const float (&acc)[BN / 8][4], int lane) {
-  float* part = o.workspace + split * split_stride + tile * (BN * kBlockRows);
-  const int valid = min(BN, o.n - n0), tq = lane % 4;
-#pragma unroll
-  for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (nb * 8 + 2 * tq + (e % 2) < valid)
-        part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
-}
-
-// The last block's part for `tile`, once its arrival counted last: the splits' sum in split order,
-// bias, cast, and the counter re-armed. Every thread of the block calls it.
-template <bool kBF16, int BN, int kBlockRows, int kThreads, bool kVectorSum>
-__device__ __forceinline__ void finish_tile(const TileOut& o, int64_t tile, int64_t split_stride, int splits,
-                                            int m_base, int n0, int tid) {
-  const int valid = min(BN, o.n - n0);
-  const float* tile_base = o.workspace + tile * (BN * kBlockRows);
-  if constexpr (kVectorSum) {
-    reduce_splits<kBF16, kBlockRows, kThreads>(o, tile_base, split_stride, splits, m_base, n0, valid * kBlockRows, tid);
-  } else {
-    for (int idx = tid; idx < valid * kBlockRows; idx += kThreads) {
-      const int m = m_base + idx % kBlockRows, n = n0 + idx / kBlockRows;
-      float s = 0.f;
-      for (int sp = 0; sp < splits; ++sp) s += __ldcg(tile_base + sp * split_stride + idx);
-      if (m < o.m && n < o.n) {
-        const float bias = o.bias ? load_float<kBF16>(o.bias, m) : 0.f;
-        store_float<kBF16>(o.y, static_cast<int64_t>(n) * o.m + m, s + bias);
-      }
-    }
-  }
-  if (tid == 0) o.counters[tile] = 0;
-}
-
 // Writes a block's results. A lane of a warp that holds accumulators (has_acc) holds rows
 // m_base + m_local (+8) and token columns n0 + nb*8 + 2*(lane%4) (+1) of each n8 sub-tile;
 // other warps (a copy-issuing producer) only help with the reduction.
@@ -151,38 +113,33 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
       }
     return;
   }
-  if (has_acc) store_partial<BN, kBlockRows>(o, tile, split_stride, split, n0, m_local, acc, lane);
-  if (!arrive_last(o.counters, tile, splits, tid, s_is_last)) return;
-  finish_tile<kBF16, BN, kBlockRows, kThreads, kVectorSum>(o, tile, split_stride, splits, m_base, n0, tid);
-}
-
-// A block that holds splits of two tiles, tile0 and tile0 + 1, each of one token tile from token 0
-// with tile t's rows at t * kBlockRows (the SMBD kernel's balanced grid: a block whose range crosses
-// a GroupTile row end), the first's partial stored already: stores the second's, then counts both
-// arrivals behind one barrier and one fence, and finishes each tile for which it is the last.
-// split0 / split1: {this block's split, the tile's split count}.
-// Every thread of the block calls it; has_acc as for store_tile. s_last: two ints of shared memory.
-template <bool kBF16, int BN, int kBlockRows, int kThreads, bool kVectorSum = true>
-__device__ __forceinline__ void store_second_of_two(const TileOut& o, int m_local, int64_t tile0, int2 split0,
-                                                    int2 split1, int64_t split_stride, const float (&acc)[BN / 8][4],
-                                                    int lane, int tid, int* s_last, bool has_acc) {
-  const int64_t tile1 = tile0 + 1;
-  if (has_acc) store_partial<BN, kBlockRows>(o, tile1, split_stride, split1.x, 0, m_local, acc, lane);
-  __syncthreads();
-  if (tid == 0) {
-    ptx::fence_acq_rel_gpu();  // release: the block's partials (both tiles') before the counts
-    const bool last0 = atomicAdd(o.counters + tile0, 1) == split0.y - 1;
-    const bool last1 = atomicAdd(o.counters + tile1, 1) == split1.y - 1;
-    if (last0 || last1) ptx::fence_acq_rel_gpu();  // acquire: the other splits' partials
-    s_last[0] = last0, s_last[1] = last1;
+  constexpr int64_t kTileFloats = BN * kBlockRows;
+  float* part = o.workspace + split * split_stride + tile * kTileFloats;
+  const int valid = min(BN, o.n - n0);  // tokens of the tile below N
+  if (has_acc) {
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (nb * 8 + 2 * tq + (e % 2) < valid)
+          part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
   }
-  __syncthreads();
-  if (s_last[0])
-    finish_tile<kBF16, BN, kBlockRows, kThreads, kVectorSum>(o, tile0, split_stride, split0.y, tile0 * kBlockRows, 0,
-                                                             tid);
-  if (s_last[1])
-    finish_tile<kBF16, BN, kBlockRows, kThreads, kVectorSum>(o, tile1, split_stride, split1.y, tile1 * kBlockRows, 0,
-                                                             tid);
+  if (!arrive_last(o.counters, tile, splits, tid, s_is_last)) return;
+  const float* tile_base = o.workspace + tile * kTileFloats;
+  if constexpr (kVectorSum) {
+    reduce_splits<kBF16, kBlockRows, kThreads>(o, tile_base, split_stride, splits, m_base, n0, valid * kBlockRows, tid);
+  } else {
+    for (int idx = tid; idx < valid * kBlockRows; idx += kThreads) {
+      const int m = m_base + idx % kBlockRows, n = n0 + idx / kBlockRows;
+      float s = 0.f;
+      for (int sp = 0; sp < splits; ++sp) s += __ldcg(tile_base + sp * split_stride + idx);
+      if (m < o.m && n < o.n) {
+        const float bias = o.bias ? load_float<kBF16>(o.bias, m) : 0.f;
+        store_float<kBF16>(o.y, static_cast<int64_t>(n) * o.m + m, s + bias);
+      }
+    }
+  }
+  if (tid == 0) o.counters[tile] = 0;
 }
 
 }  // namespace spinfer

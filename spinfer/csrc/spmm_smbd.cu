@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <mutex>
 
@@ -47,7 +46,7 @@ struct ResidentF {
 // Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
 // dtype, variant (loader, decode, row count), shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
-  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * (p.stream_blocks > 0);
+  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table;
   const std::array<int, 6> key{device, bf16, p.bn, variant, p.min_blocks, p.smem_bytes};
   return asked_once(key, [&] { return by_tile<ResidentF>(p.bn, &p, bf16); });
 }
@@ -157,54 +156,6 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   return cache[key] = splits;
 }
 
-// The balanced grid (SpmmPlan::stream_blocks; BlockWork in spmm_smbd.cuh) for a streaming launch
-// (stream_cap: at most `cap` tenths of a block per SM), or 0 where it does not apply. The split
-// rule's grid is whole GroupTile rows times splits, so its blocks can spread unevenly over the
-// SMs: 448 blocks (28672x8192 at 50% sparsity, 14336x4096 split 2 ways) leave 80 SMs with 3 and
-// 52 with 4, and the launch ends with the SMs of 4. The balanced grid has cap / 10 blocks per SM,
-// all with the same number of GroupTile pairs, taken in storage order across row ends; most rows
-// are then summed from 2-3 blocks' partials. H100, same process, least of 3 rounds, 50% sparsity,
-// N = 1 (docs/kernels.md, sixty-fifth session), split grid against balanced, us:
-//   where the split grid leaves SMs a block short (its blocks over SMs x their ceiling < 0.9):
-//   28672x8192 (448 blocks) 102.5 -> 96.9, 18944x3584 (296) 39.1 -> 34.6, 22016x4096 (344)
-//   44.0 -> 42.8, 28672x4096 (448) 54.2 -> 53.1, 13824x5120 (432) 37.6 -> 37.0, 14336x4096 (448)
-//   32.5 -> 31.9;
-//   where it does not: 4096x14336 (512) 31.6 -> 32.8, 11008x4096 (516) 25.0 -> 26.7, 4096x4096
-//   (512) 14.9 -> 16.0, 6144x4096 (384) 18.4 -> 18.9, 8192x28672 (512) 102.2 -> 101.6.
-// At 30% sparsity (where the producer counts rows, and the stream is nearer the copy bandwidth) it
-// was slower on every layer, 14336x4096 to 28672x8192 (28672x8192 123.9 -> 128.5). So the planner
-// takes it with the row-table variant where the split grid's blocks fill less than 0.9 of their
-// ceiling per SM. A block crosses at most one row end, so it holds at most as many pairs as a row.
-// SPINFER_SPMM_STREAM=0 turns it off; =1 takes it wherever the kernel can run it, with
-// SPINFER_STREAM_BPS blocks per SM (A/B runs, tests); SPINFER_STREAM_BLOCKS forces the block count
-// (tests).
-int stream_grid(const SpmmPlan& p, int cap, int sms, const std::function<int(const SpmmPlan&)>& resident) {
-  const int env = env_int("SPINFER_SPMM_STREAM", -1);
-  if (env == 0) return 0;
-  if (!(p.bulk && p.lean && p.bn == 8 && p.n_tiles == 1 && p.min_blocks == 7 && (p.row_table || p.count_rows)))
-    return 0;
-  if (p.grid_k % 2 != 0) return 0;  // a pair would straddle two rows
-  int per_sm = cap / 10;
-  if (env == 1) {
-    per_sm = env_int("SPINFER_STREAM_BPS", per_sm > 0 ? per_sm : 4);
-  } else {
-    const int64_t split_blocks = static_cast<int64_t>(p.grid_m) * p.n_tiles * p.splits;
-    const int64_t ceiling = (split_blocks + sms - 1) / sms * sms;  // the busiest SMs' blocks, on every SM
-    if (!p.row_table || 10 * split_blocks >= 9 * ceiling) return 0;
-  }
-  if (per_sm <= 0) return 0;
-  const int64_t per_row = p.grid_k / 2, total = static_cast<int64_t>(p.grid_m) * per_row;
-  int64_t blocks = std::min<int64_t>(static_cast<int64_t>(per_sm) * sms, total);
-  if (const int forced = env_int("SPINFER_STREAM_BLOCKS", 0); forced > 0) blocks = std::min<int64_t>(forced, total);
-  if ((total + blocks - 1) / blocks > per_row) return 0;  // a block would cross two row ends
-  if (blocks * (total + 1) >= (int64_t(1) << 32)) return 0;  // the kernel's 32-bit arithmetic (stream_block_work)
-  SpmmPlan q = p;
-  q.stream_blocks = static_cast<int>(blocks);
-  const int fits = resident(q);
-  if (fits > 0 && blocks > static_cast<int64_t>(fits) * sms && env_int("SPINFER_STREAM_BLOCKS", 0) <= 0) return 0;
-  return static_cast<int>(blocks);
-}
-
 }  // namespace
 }  // namespace smbd
 
@@ -299,27 +250,6 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const bool staggers = p.bulk && p.bn == 8 && !p.count_rows;
   p.stagger = staggers;
   if (const char* env = std::getenv("SPINFER_STAGGER")) p.stagger = staggers && env[0] == '1';
-  // The balanced grid, where the split rule streams (its cap) and no split count was asked for.
-  const bool forced_splits = splits_wanted > 0 || env_int("SPINFER_SPLITS", 0) > 0;
-  if (!forced_splits) {
-    const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p)));
-    const auto resident = [&](const SpmmPlan& q) {
-      SpmmPlan r = q;
-      const int64_t per_block = (static_cast<int64_t>(p.grid_m) * (p.grid_k / 2) + q.stream_blocks - 1) / q.stream_blocks;
-      r.smem_bytes = by_tile<SmemF>(p.bn, static_cast<int>(2 * per_block), p.value_cap, p.stages, n);
-      return resident_blocks_cached(r, bf16, device);
-    };
-    if (const int blocks = stream_grid(p, cap, sms, resident); blocks > 0) {
-      const int64_t per_row = p.grid_k / 2, total = static_cast<int64_t>(p.grid_m) * per_row;
-      const int64_t longest = (total + blocks - 1) / blocks, shortest = total / blocks;
-      p.stream_blocks = blocks;
-      p.k_per_split = static_cast<int>(2 * longest);
-      // the most blocks a row can have: a row of per_row pairs meets at most this many ranges of
-      // at least `shortest` pairs
-      p.splits = static_cast<int>((per_row - 1) / shortest + 2);
-      p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n);
-    }
-  }
   if (p.splits > 1) {
     p.counters = p.n_tiles * p.grid_m;
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt;

@@ -105,71 +105,20 @@ struct Layout {
 };
 
 // What one block works on, derived from blockIdx: GroupTile row `row`, tokens n0 ..
-// n0+valid_rows-1, GroupTile columns g_begin .. g_begin+nk-1 (pairs (nk+1)/2 stages' worth), the
-// first of them GroupTile `first` in storage order. Its results are split seg_split[0] of
-// seg_splits[0] of tile `tile` (split-K; 1 of 1 without).
-// The balanced grid (kStream: SpmmPlan::stream_blocks) gives block b the GroupTile pairs
-// [b T / B, (b + 1) T / B) of all T in storage order (B blocks, every GroupTile row an even number
-// of columns, so no pair straddles two rows). A range may run past the end of its row into the
-// next: from pair `brk` on, the block works on row `row + 1`, from column 0. Each of the (at
-// most two) rows it touches is a split tile whose splits are the blocks that touch the row, in
-// block order (stream_split).
+// n0+valid_rows-1, GroupTile columns g_begin .. g_begin+nk-1 (pairs (nk+1)/2 stages' worth).
 struct BlockWork {
-  int row, g_begin, nk, n0, valid_rows;
-  int64_t first;
-  int brk;
-  int split, splits;  // (split-K)
-  int64_t tile;
+  int row, split, g_begin, nk, n0, valid_rows;
 };
 
-__device__ __forceinline__ BlockWork block_work(const SpmmArgs& args, int bn, int grid_k, int k_per_split,
-                                                int splits) {
+__device__ __forceinline__ BlockWork block_work(const SpmmArgs& args, int bn, int grid_k, int k_per_split) {
   BlockWork b;
   b.row = blockIdx.y;
   b.split = blockIdx.z;
-  b.splits = splits;
-  b.g_begin = blockIdx.z * k_per_split;
+  b.g_begin = b.split * k_per_split;
   b.nk = max(0, min(grid_k, b.g_begin + k_per_split) - b.g_begin);
-  b.first = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
-  b.brk = (b.nk + kPair - 1) / kPair;
   b.n0 = blockIdx.x * bn;
   b.valid_rows = min(bn, args.n - b.n0);
-  b.tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   return b;
-}
-
-// The balanced grid's block (see BlockWork): one token tile (gridDim.x == 1), gridDim.y blocks.
-// 32-bit arithmetic: the planner takes the grid only where blocks x (pairs + 1) < 2^32, and a
-// 64-bit division is a ~100-instruction routine, which every thread of a block running 4 pairs
-// (4096x4096) would pay several times over (measured 1-3 us a launch slower, sixty-fifth session).
-__device__ __forceinline__ BlockWork stream_block_work(const SpmmArgs& args, int bn, int grid_k) {
-  BlockWork b;
-  const uint32_t per_row = grid_k / kPair, total = (args.m + kGt - 1) / kGt * per_row;
-  const uint32_t blocks = gridDim.y, bi = blockIdx.y;
-  const uint32_t s0 = bi * total / blocks, s1 = (bi + 1) * total / blocks;
-  const uint32_t row = s0 / per_row;
-  b.row = static_cast<int>(row);
-  b.g_begin = static_cast<int>(kPair * (s0 - row * per_row));
-  b.nk = static_cast<int>(kPair * (s1 - s0));
-  b.first = kPair * static_cast<int64_t>(s0);
-  b.brk = static_cast<int>(min(s1, (row + 1) * per_row) - s0);
-  b.split = b.splits = 0;  // per row: stream_split
-  b.tile = row;
-  b.n0 = 0;
-  b.valid_rows = min(bn, args.n);
-  return b;
-}
-
-// The balanced grid's split index of this block in GroupTile row `row`, and the row's split count:
-// the blocks whose ranges meet the row, in block order. The block that holds pair q is the last b
-// with b T / B <= q, i.e. ((q + 1) B - 1) / T. Computed where a row is stored, so that nothing of
-// it stays live through the stage loop (kept in registers, it made the 56-register kernel spill).
-__device__ __forceinline__ int2 stream_split(const SpmmArgs& args, int grid_k, int row) {
-  const uint32_t per_row = grid_k / kPair, total = (args.m + kGt - 1) / kGt * per_row;
-  const uint32_t blocks = gridDim.y;
-  const uint32_t b_first = ((row * per_row + 1) * blocks - 1) / total;
-  const uint32_t b_last = ((row + 1) * per_row * blocks - 1) / total;
-  return make_int2(static_cast<int>(blockIdx.y - b_first), static_cast<int>(b_last - b_first + 1));
 }
 
 // The block's GroupTile offsets, loaded once so issuing a copy never waits on a dependent
@@ -177,8 +126,9 @@ __device__ __forceinline__ int2 stream_split(const SpmmArgs& args, int grid_k, i
 // wrong results but can never send a copy outside `values`.
 __device__ __forceinline__ void load_offsets(const SpmmArgs& args, const BlockWork& b, int grid_k, int* s_off,
                                              int tid, int threads) {
+  const int64_t first = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
   for (int idx = tid; idx <= b.nk; idx += threads) {
-    const int64_t o = min(max(static_cast<int64_t>(args.gtile_offset[b.first + idx]), int64_t(0)), args.nvalues);
+    const int64_t o = min(max(static_cast<int64_t>(args.gtile_offset[first + idx]), int64_t(0)), args.nvalues);
     s_off[idx] = static_cast<int>(o & ~int64_t(7));
   }
 }
@@ -379,11 +329,9 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // lanes copy the x rows with cp.async and arrive when they land. Otherwise (sm_80): every
 // thread issues 16-byte cp.async and groups are counted. kCount (SpmmPlan::count_rows): the
 // producer warp also counts the bitmap rows above each decoding warp's (rows_above). kTable
-// (SpmmPlan::row_table): the decoding warps read them from the weight's row table instead. kStream
-// (SpmmPlan::stream_blocks): the balanced grid (stream_block_work), whose blocks may end one row's
-// work mid-loop: the decoding warps then store that row's split there, on a barrier of their own.
+// (SpmmPlan::row_table): the decoding warps read them from the weight's row table instead.
 template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false,
-          bool kTable = false, bool kStream = false>
+          bool kTable = false>
 __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
                      const int n_stages) {
@@ -395,7 +343,6 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
   {
     static_assert(!kCount || (kBulk && BN <= 16), "the producer counts rows for the sm_90 loader at BN <= 16");
     static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
-    static_assert(!kStream || (kBulk && BN == 8), "the balanced grid is built for the sm_90 loader at BN = 8");
     using L = Layout<BN>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;
@@ -406,19 +353,14 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     // kCount: rows_above of each stage's TCTile rows, counted once by the producer warp
     __shared__ uint32_t s_above[kCount ? kMaxStages : 1][kWarps];
     __shared__ int s_is_last;
-    // kStream: the block's pair count, first row and whether it ends in the next row, read where the
-    // decoding warps need them rather than kept in registers through their stage loop (which made
-    // the kernel spill); and the two arrivals' results of a block that crossed a row end
-    __shared__ int s_stream[3], s_last2[2];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const BlockWork b =
-        kStream ? stream_block_work(args, BN, grid_k) : block_work(args, BN, grid_k, k_per_split, splits);
+    const BlockWork b = block_work(args, BN, grid_k, k_per_split);
     const int np = (b.nk + kPair - 1) / kPair;  // stages' worth of GroupTile pairs
     int* s_off = reinterpret_cast<int*>(smem + lay.offsets_offset());
     constexpr int kBlock = kThreads<kBulk>;
     load_offsets(args, b, grid_k, s_off, tid, kBlock);
-    const int64_t first_gtile = b.first;
+    const int64_t first_gtile = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
 
     if constexpr (kBulk) {
       if (tid == 0) {
@@ -428,7 +370,6 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
         ptx::fence_mbarrier_init();
       }
       if (kCount && tid < kMaxStages) s_above[tid][0] = 0u;  // nothing above row 0
-      if (kStream && tid == 0) s_stream[0] = np, s_stream[1] = b.row, s_stream[2] = b.brk < np;
     }
     __syncthreads();
     // The stage table (stage_pair), made by the decoding warps while the producer issues its first
@@ -448,9 +389,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     const uint64_t policy = ptx::l2_stream_policy(args.evict_first);  // bitmaps and values
     auto issue_x = [&](int stage, int p) {
       const int gts = min(kPair, b.nk - kPair * p);
-      int col = b.g_begin + kPair * p;  // the stage's first GroupTile column
-      if (kStream && p >= b.brk) col -= grid_k;  // the balanced grid's next row, from column 0
-      const int k0 = col * kGt;
+      const int k0 = (b.g_begin + kPair * p) * kGt;
       constexpr int kChunks = kPair * kGt / 8;  // 16-byte chunks per x row
       constexpr int kRowStep = 32 / kChunks;    // rows between a lane's copies
       const int cc = lane % kChunks;
@@ -546,29 +485,6 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     // the barrier that may be reached from different code): one shared loop cost the decoding
     // warps the producer's test and stage bookkeeping every step.
     const bool producer = kBulk && warp == kWarps;
-    constexpr bool kVectorSum = kMinB == 0 || kMinB == 7;  // not under the 40 / 48-register caps: see store_tile
-    // Split s of a tile sits s * split_stride floats into the workspace: a tile for every token
-    // tile of every GroupTile row.
-    const auto split_stride = [&] {
-      const int64_t rows = kStream ? (args.m + kGt - 1) / kGt : gridDim.y;
-      return rows * gridDim.x * BN * kGt;
-    };
-    // The balanced grid's block that reaches the end of its first row mid-loop: the decoding warps
-    // store their partial sums of that row's split and start the next row from zero. The arrival
-    // waits for the block's end (store_second_of_two): counting it here (a barrier of the decoding
-    // warps, a fence and an atomic) stopped their decode for its round trip, and measured 1-3 us
-    // slower a launch (docs/kernels.md, sixty-fifth session).
-    auto flush_first_row = [&] {
-      ptx::griddep_wait();  // no global write before the previous kernel is done (a no-op by now)
-      const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-      const int row = s_stream[1];
-      store_partial<BN, kGt>(out, row, split_stride(), stream_split(args, grid_k, row).x, 0, warp * 16 + lane / 4,
-                             acc, lane);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-    };
     if constexpr (kBulk) {
       if (producer) {
         // kCount: once stage q has landed, the producer counts the set bits of its TCTile
@@ -611,17 +527,11 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
         uint32_t full = ptx::smem_addr(s_full);
         asm volatile("" : "+r"(full));  // kept in a register: rebuilt from the CTA's shared window every stage
         uint32_t parity = 0;
-        // kStream: the loop runs to the end of the first row, stores it, and runs on to np
-        for (int p = 0, cs = 0, end = kStream ? b.brk : np;;) {
-          for (; p < end; ++p) {
-            ptx::bar_sync_block();
-            ptx::mbarrier_wait_parity(full + 8u * cs, parity);
-            compute(cs, p);
-            if (++cs == S) cs = 0, parity ^= 1u;
-          }
-          if (!kStream || p >= s_stream[0]) break;
-          flush_first_row();
-          end = s_stream[0];
+        for (int p = 0, cs = 0; p < np; ++p) {
+          ptx::bar_sync_block();
+          ptx::mbarrier_wait_parity(full + 8u * cs, parity);
+          compute(cs, p);
+          if (++cs == S) cs = 0, parity ^= 1u;
         }
       }
     } else {
@@ -650,22 +560,11 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     ptx::griddep_launch_dependents();  // the next layer may start its prologue as blocks drain
     ptx::griddep_wait();  // (the decoding warps) no global write before the previous kernel is done
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
-    if constexpr (kStream) {
-      const int row = s_stream[1];
-      if (s_stream[2]) {  // the block crossed a row end: its first row's partial is stored already
-        store_second_of_two<kBF16, BN, kGt, kBlock, kVectorSum>(
-            out, warp * 16 + lane / 4, row, stream_split(args, grid_k, row), stream_split(args, grid_k, row + 1),
-            split_stride(), acc, lane, tid, s_last2, !producer);
-      } else {
-        const int2 sp = stream_split(args, grid_k, row);
-        store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, row * kGt, warp * 16 + lane / 4, 0, row, split_stride(),
-                                                       sp.x, sp.y, acc, lane, tid, &s_is_last, !producer);
-      }
-    } else {
-      store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, b.tile,
-                                                     split_stride(), b.split, b.splits, acc, lane, tid, &s_is_last,
-                                                     !producer);
-    }
+    constexpr bool kVectorSum = kMinB == 0 || kMinB == 7;  // not under the 40 / 48-register caps: see store_tile
+    const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+    const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * BN * kGt;
+    store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, tile, split_stride,
+                                                   b.split, splits, acc, lane, tid, &s_is_last, !producer);
   }
 }
 
@@ -682,12 +581,6 @@ template <bool kBF16, int BN>
 auto kernel_for(const SpmmPlan& plan) {
   if (!plan.bulk) return plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true> : spmm_smbd_kernel<kBF16, BN, false, false>;
   if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
-  if constexpr (BN == 8) {  // the balanced grid: the planner takes it with these two variants only
-    if (plan.stream_blocks > 0 && plan.min_blocks == 7) {
-      if (plan.row_table) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true, true>;
-      if (plan.count_rows) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true, false, true>;
-    }
-  }
   if constexpr (BN <= 16) {
     if (plan.row_table && plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true>;
     if (plan.count_rows) {
@@ -721,8 +614,7 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
   auto kernel = kernel_for<kBF16, BN>(plan);
   cudaError_t err = allow_smem_at_least(kernel, plan.smem_bytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid = plan.stream_blocks > 0 ? dim3(plan.n_tiles, plan.stream_blocks, 1)
-                                           : dim3(plan.n_tiles, plan.grid_m, plan.splits);
+  const dim3 grid(plan.n_tiles, plan.grid_m, plan.splits);
   // The bulk loader hints its copies itself (ptx::l2_stream_policy); the cp.async loader gets a
   // window over the values, most of the stream.
   const StreamWindow window = plan.bulk ? StreamWindow{} : stream_window(args.values, args.nvalues * 2);

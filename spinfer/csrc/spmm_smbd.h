@@ -61,11 +61,6 @@ struct SpmmPlan {
   bool stagger;     // the sm_90 producer requests a block's second stage once its first has landed:
                     // at BN = 8 where it does not count rows (spmm_smbd.cu); SPINFER_STAGGER=0|1
                     // overrides there
-  int stream_blocks;  // 0, or the balanced grid (spmm_smbd.cu, stream_grid): this many blocks share
-                      // the weight's GroupTile pairs equally, in storage order, each crossing at most
-                      // one GroupTile row boundary; a row's blocks are its splits (`splits` is then
-                      // the most blocks any row can have, for the workspace, and `k_per_split` the
-                      // most GroupTiles a block takes)
 };
 
 // Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:

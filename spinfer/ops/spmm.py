@@ -157,8 +157,7 @@ def entry_args(weight: TCABME, splits: int) -> tuple:
 
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
-               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger", "row_table",
-               "stream_blocks")
+               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger", "row_table")
 
 
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -173,9 +172,7 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     ``count_rows``: whether its producer warp counts the bitmap rows above each decoding warp's,
     and ``stagger``: whether it requests the ring's last stage only once a block's first has landed
     (at ``bn`` = 8 where it does not count rows), and ``row_table``: whether the decoding warps read
-    the rows above their own from the weight's row table (``TCABME.row_offset``) instead, and
-    ``stream_blocks``: 0, or the balanced grid's block count (the weight's GroupTile pairs shared
-    equally in storage order; ``splits`` is then the most blocks a GroupTile row can have).
+    the rows above their own from the weight's row table (``TCABME.row_offset``) instead.
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)

@@ -1,4 +1,4 @@
-"""``spinfer bench {spmm,lowbit,to_dense,e2e,policy,host,compression,roofline}``: run a study, print
+"""``spinfer bench {spmm,lowbit,to_dense,e2e,policy,host,cpu,compression,roofline}``: run a study, print
 its table, and write CSV and PNG files into a results folder.
 
     spinfer bench compression [--shape 4096x4096] [--quick] [--out results]
@@ -10,6 +10,7 @@ its table, and write CSV and PNG files into a results folder.
     spinfer bench e2e [--layers 4] [--batches 1,8,16]              (CUDA; --tiny --device cpu smoke run)
     spinfer bench policy [--calibrate]                             (needs a CUDA GPU)
     spinfer bench host [--shape 512x512] [--n 1]                   (needs a CUDA GPU)
+    spinfer bench cpu [--quick] [--csv results/cpu.csv]            (the CPU path: compiled decoder)
 """
 
 from __future__ import annotations
@@ -126,12 +127,16 @@ def main(argv=None) -> int:
         from .host import main as host_main
 
         return host_main(rest)
+    if study == "cpu":
+        from .cpu import main as cpu_main
+
+        return cpu_main(rest)
     if study == "to_dense":
         from .to_dense import main as to_dense_main
 
         return to_dense_main(rest)
     if study not in studies:
-        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, to_dense, e2e, policy, host, "
+        print(f"spinfer bench: unknown study {study!r}; choose from spmm, lowbit, to_dense, e2e, policy, host, cpu, "
               "compression, roofline", file=sys.stderr)
         return 2
     try:

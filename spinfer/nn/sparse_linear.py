@@ -344,7 +344,7 @@ class SparseLinear(nn.Module):
             return P.SPMM
         device, where = held.device, held.where
         if device.type != "cuda" and self.policy != "autotune":
-            return P.DECODE_DENSE  # on the CPU the reference decodes anyway; skip its validation
+            return P.DECODE_DENSE  # on the CPU the op decodes anyway; skip its validation
         bucket = P.n_bucket(n)
         key = (where, bucket)
         choice = self._choices.get(key)

@@ -2,7 +2,8 @@
 
 The public wrapper :func:`spmm` checks its inputs (naming what is wrong) and flattens
 leading batch dimensions; the op itself takes a contiguous ``x [N, K]`` and the three
-TCA-BME arrays.  The CPU implementation is the reference: decode, then multiply in fp32; the
+TCA-BME arrays.  The CPU implementation is the reference: decode (compiled, spinfer/cpu_kernels.py),
+then multiply in fp32; the
 CUDA one is the SMBD kernel (spinfer/csrc), registered when the extension loads.
 """
 
@@ -13,8 +14,9 @@ from typing import Optional
 import torch
 
 from .. import build, tuning
-from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, decode, longest_run, validate_arrays
+from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
+from .to_dense import decode_on_cpu
 from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, direct_call_ok, flatten_input,
                            linear_input_grads, needs_input_grad, refuse_weight_grad, wants_grad)
 
@@ -36,7 +38,7 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
     if max_run < longest:
         raise ValueError(f"max_run={max_run} is below the longest GroupTile run ({longest})")
     check_op_inputs(x, values, m, k, bias)
-    w = decode(bitmap, values, gtile_offset, (m, k), (gt_h, gt_w))
+    w = decode_on_cpu(bitmap, values, gtile_offset, m, k, (gt_h, gt_w))
     y = x.float() @ w.float().t()
     if bias is not None:
         y += bias.float()

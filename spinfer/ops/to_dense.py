@@ -1,7 +1,8 @@
 """``spinfer::tca_bme_to_dense`` and ``spinfer::lowbit_to_dense``: a compressed weight as a dense
 ``[M, K]`` matrix in its dtype.
 
-CPU: the formats' reference decoders. CUDA: one streaming kernel each
+CPU: the compiled decoder for TCA-BME (spinfer/cpu_kernels.py), else the reference; the reference
+dequantizer for low-bit weights. CUDA: one streaming kernel each
 (spinfer/csrc/to_dense.cu), bit-exact against the references. :meth:`TCABME.to_dense
 <spinfer.format.TCABME.to_dense>` and :meth:`LowBitWeight.dequantize
 <spinfer.quant.LowBitWeight.dequantize>` call them; at large N the layers decode once and run
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import build
+from .. import build, cpu_kernels
 from ..format.tca_bme import Geometry, decode, validate_arrays
 from ..quant.lowbit import LowBitWeight, dequantize
 from . import library  # noqa: F401  (defines the schemas)
@@ -24,10 +25,17 @@ def _tca_bme_to_dense_fake(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
     return values.new_empty((m, k))
 
 
+def decode_on_cpu(bitmap, values, gtile_offset, m: int, k: int, group_tile) -> torch.Tensor:
+    """Dense ``[m, k]`` of validated CPU TCA-BME arrays: the compiled decoder, or the reference
+    :func:`~spinfer.format.tca_bme.decode` where it is unavailable. Bit-exact either way."""
+    w = cpu_kernels.tca_bme_decode(bitmap, values, gtile_offset, m, k, group_tile)
+    return decode(bitmap, values, gtile_offset, (m, k), group_tile) if w is None else w
+
+
 def _tca_bme_to_dense_cpu(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
     # The arrays may come from anywhere when the op is called directly: check them fully.
     validate_arrays(bitmap, values, gtile_offset, Geometry(m, k, gt_h, gt_w))
-    return decode(bitmap, values, gtile_offset, (m, k), (gt_h, gt_w))
+    return decode_on_cpu(bitmap, values, gtile_offset, m, k, (gt_h, gt_w))
 
 
 @torch.library.register_fake("spinfer::lowbit_to_dense")
@@ -46,10 +54,12 @@ torch.library.impl("spinfer::lowbit_to_dense", "CPU")(_lowbit_to_dense_cpu)
 
 def tca_bme_to_dense(weight) -> torch.Tensor:
     """Dense ``[M, K]`` of a :class:`~spinfer.format.TCABME` (CUDA kernel for GroupTile 64x64 on a
-    GPU, the reference decoder otherwise)."""
+    GPU, the compiled CPU decoder on the CPU, the reference decoder otherwise)."""
     m, k = weight.shape
     if build.load_for(weight.bitmap) and tuple(weight.group_tile) == (64, 64):
         return torch.ops.spinfer.tca_bme_to_dense(weight.bitmap, weight.values, weight.gtile_offset, m, k, 64, 64)
+    if weight.bitmap.device.type == "cpu":
+        return decode_on_cpu(weight.bitmap, weight.values, weight.gtile_offset, m, k, weight.group_tile)
     return decode(weight.bitmap, weight.values, weight.gtile_offset, (m, k), weight.group_tile)
 
 

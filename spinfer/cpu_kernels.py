@@ -1,0 +1,164 @@
+"""The compiled CPU decoder of TCA-BME weights (``spinfer/csrc/cpu/decode.cpp``), loaded with ctypes.
+
+On the CPU a compressed layer decodes its weight and multiplies it densely. Decoding with torch
+ops took ~170 ms for a 4096x4096 weight at 50% on two cores, 70x F.linear's time at one token;
+the compiled decoder spreads each BitmapTile row's values into place with one shuffle.
+
+The source is plain C++17 with a C interface and no torch headers, built on first use with the
+system's C++ compiler (``CXX``, else ``c++``) in about a second, into the cache folder
+(``$SPINFER_CACHE`` or ``~/.cache/spinfer``), and reused after that. Where no compiler works the
+CPU path falls back to the torch-op reference decoder, with one warning that says why;
+``SPINFER_CPU_KERNELS=0`` asks for the reference. Both give the same bits (tests/test_cpu_kernels.py).
+``python -m spinfer.build`` builds it ahead and reports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .cache import cache_root
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "decode.cpp"
+BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+ABI_VERSION = 1  # spinfer_cpu_abi_version() of the source above
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_failure: Optional[str] = None  # why the library is unavailable, once it is known
+
+
+def enabled() -> bool:
+    return os.environ.get("SPINFER_CPU_KERNELS", "1") != "0"
+
+
+def compiler() -> Optional[str]:
+    cxx = os.environ.get("CXX") or "c++"
+    return shutil.which(cxx) or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def flags() -> list:
+    """The compiler flags: on x86, SSSE3's shuffle and the POPCNT instruction where this CPU has
+    them (every x86-64 CPU of the last fifteen years; without -mpopcnt each PopCount is a libgcc
+    call, which made the decoder ~2x slower; the source has a scalar form for a CPU without SSSE3)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return list(BASE_FLAGS)
+    have = _cpu_flags()
+    return BASE_FLAGS + [f"-m{f}" for f in ("ssse3", "popcnt") if f in have]
+
+
+def library_path(cxx: str) -> Path:
+    """Where the library built by ``cxx`` lives: keyed by the source, the compiler and its flags,
+    and the machine, so a changed source or another compiler builds anew."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update("\0".join([cxx, *flags(), platform.machine(), sys.platform]).encode())
+    return cache_root() / f"cpu-{h.hexdigest()[:16]}" / "libspinfer_cpu.so"
+
+
+def _build(cxx: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        run = subprocess.run([cxx, *flags(), str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                             timeout=600)
+        if run.returncode != 0:
+            raise RuntimeError(f"{cxx} failed on {SOURCE.name} (exit {run.returncode}):\n"
+                               + (run.stderr or run.stdout)[-2000:])
+        tmp.replace(path)  # atomic: a concurrent process loads the old file or the new one
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    version = lib.spinfer_cpu_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path} reports interface version {version}, expected {ABI_VERSION}")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.spinfer_tca_bme_decode.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.spinfer_tca_bme_decode.restype = ctypes.c_int
+    return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled decoder, built on first use; None where disabled or unbuildable (warned once)."""
+    global _lib, _failure
+    if _lib is not None or not enabled():
+        return _lib if enabled() else None
+    with _lock:
+        if _lib is not None or _failure is not None:
+            return _lib
+        cxx = compiler()
+        try:
+            if cxx is None:
+                raise RuntimeError("no C++ compiler found (set CXX)")
+            path = library_path(cxx)
+            if not path.exists():
+                _build(cxx, path)
+            _lib = _load(path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _failure = str(exc)
+            warnings.warn(f"spinfer: the compiled CPU decoder is unavailable, using the slower torch-op "
+                          f"reference: {_failure}", RuntimeWarning, stacklevel=2)
+    return _lib
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`library` returned None (None while it is available or not yet asked for)."""
+    return "disabled by SPINFER_CPU_KERNELS=0" if not enabled() else _failure
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def tca_bme_decode(bitmap: torch.Tensor, values: torch.Tensor, gtile_offset: torch.Tensor, m: int, k: int,
+                   group_tile) -> Optional[torch.Tensor]:
+    """Dense ``[m, k]`` in the values' dtype from CPU TCA-BME arrays, bit-exact; None where the
+    library is unavailable. The sizes are checked here and every run against the values array in
+    C++, so no call reads outside the arrays; the bits' placement is the caller's to have checked
+    (``validate_arrays``: a bitmap inconsistent with the offsets decodes to a wrong matrix)."""
+    lib = library()
+    if lib is None or values.device.type != "cpu":
+        return None
+    gt_h, gt_w = (int(v) for v in group_tile)
+    gm, gk = -(-m // gt_h), -(-k // gt_w)
+    if (bitmap.dtype != torch.int64 or gtile_offset.dtype != torch.int32
+            or values.dtype not in (torch.float16, torch.bfloat16)):
+        raise TypeError(f"TCA-BME arrays must be int64 / fp16 or bf16 / int32, got {bitmap.dtype} / "
+                        f"{values.dtype} / {gtile_offset.dtype}")
+    if bitmap.numel() != gm * gk * gt_h * gt_w // 64 or gtile_offset.numel() != gm * gk + 1:
+        raise ValueError(f"TCA-BME arrays of {bitmap.numel()} bitmap words and {gtile_offset.numel()} offsets do not "
+                         f"fit a {m}x{k} weight in {gt_h}x{gt_w} GroupTiles")
+    bitmap, values, gtile_offset = bitmap.contiguous(), values.contiguous(), gtile_offset.contiguous()
+    out = torch.empty((m, k), dtype=values.dtype)
+    rc = lib.spinfer_tca_bme_decode(bitmap.data_ptr(), values.data_ptr(), values.numel(), gtile_offset.data_ptr(),
+                                    m, k, gt_h, gt_w, out.data_ptr(), _threads())
+    if rc == 1:
+        raise ValueError("a GroupTile's run reaches past the values array (corrupt gtile_offset or bitmap)")
+    if rc != 0:
+        raise ValueError(f"the CPU decoder refused a {m}x{k} weight in {gt_h}x{gt_w} GroupTiles (code {rc})")
+    return out
+

@@ -1,14 +1,16 @@
-"""The compiled CPU decoder of TCA-BME weights (``spinfer/csrc/cpu/decode.cpp``), loaded with ctypes.
+"""The compiled CPU decoders of compressed weights (``spinfer/csrc/cpu/decode.cpp``), loaded with
+ctypes: TCA-BME (:func:`tca_bme_decode`) and the low-bit format (:func:`lowbit_dequantize`).
 
 On the CPU a compressed layer decodes its weight and multiplies it densely. Decoding with torch
-ops took ~170 ms for a 4096x4096 weight at 50% on two cores, 70x F.linear's time at one token;
-the compiled decoder spreads each BitmapTile row's values into place with one shuffle.
+ops took ~170 ms for a 4096x4096 weight at 50% and ~160 ms at 4 bits on two cores, 70x
+F.linear's time at one token; the compiled TCA-BME decoder spreads each BitmapTile row's values
+into place with one shuffle, the dequantizer reads each row's packed words once.
 
 The source is plain C++17 with a C interface and no torch headers, built on first use with the
 system's C++ compiler (``CXX``, else ``c++``) in about a second, into the cache folder
 (``$SPINFER_CACHE`` or ``~/.cache/spinfer``), and reused after that. Where no compiler works the
-CPU path falls back to the torch-op reference decoder, with one warning that says why;
-``SPINFER_CPU_KERNELS=0`` asks for the reference. Both give the same bits (tests/test_cpu_kernels.py).
+CPU path falls back to the torch-op reference decoders, with one warning that says why;
+``SPINFER_CPU_KERNELS=0`` asks for the references. Both give the same bits (tests/test_cpu_kernels.py).
 ``python -m spinfer.build`` builds it ahead and reports.
 """
 
@@ -32,7 +34,7 @@ from .cache import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "decode.cpp"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-ABI_VERSION = 1  # spinfer_cpu_abi_version() of the source above
+ABI_VERSION = 2  # spinfer_cpu_abi_version() of the source above
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -60,13 +62,14 @@ def _cpu_flags() -> set:
 
 
 def flags() -> list:
-    """The compiler flags: on x86, SSSE3's shuffle and the POPCNT instruction where this CPU has
-    them (every x86-64 CPU of the last fifteen years; without -mpopcnt each PopCount is a libgcc
-    call, which made the decoder ~2x slower; the source has a scalar form for a CPU without SSSE3)."""
+    """The compiler flags: on x86, SSSE3's shuffle, the POPCNT instruction and F16C's float-to-half
+    conversion where this CPU has them (every x86-64 CPU of the last ten years; without -mpopcnt
+    each PopCount is a libgcc call, which made the TCA-BME decoder ~2x slower, and without F16C the
+    fp16 dequantizer rounds in integer code, 2-4x slower; the source has a form for either)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
         return list(BASE_FLAGS)
     have = _cpu_flags()
-    return BASE_FLAGS + [f"-m{f}" for f in ("ssse3", "popcnt") if f in have]
+    return BASE_FLAGS + [f"-m{f}" for f in ("ssse3", "popcnt", "f16c") if f in have]
 
 
 def library_path(cxx: str) -> Path:
@@ -99,11 +102,15 @@ def _load(path: Path) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.spinfer_tca_bme_decode.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     lib.spinfer_tca_bme_decode.restype = ctypes.c_int
+    lib.spinfer_lowbit_dequantize.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr, ctypes.c_int]
+    lib.spinfer_lowbit_dequantize.restype = ctypes.c_int
+    lib.spinfer_round_floats.argtypes = [ptr, i64, ctypes.c_int, ptr]
+    lib.spinfer_round_floats.restype = None
     return lib
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled decoder, built on first use; None where disabled or unbuildable (warned once)."""
+    """The compiled decoders, built on first use; None where disabled or unbuildable (warned once)."""
     global _lib, _failure
     if _lib is not None or not enabled():
         return _lib if enabled() else None
@@ -120,8 +127,8 @@ def library() -> Optional[ctypes.CDLL]:
             _lib = _load(path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _failure = str(exc)
-            warnings.warn(f"spinfer: the compiled CPU decoder is unavailable, using the slower torch-op "
-                          f"reference: {_failure}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"spinfer: the compiled CPU decoders are unavailable, using the slower torch-op "
+                          f"references: {_failure}", RuntimeWarning, stacklevel=2)
     return _lib
 
 
@@ -162,3 +169,30 @@ def tca_bme_decode(bitmap: torch.Tensor, values: torch.Tensor, gtile_offset: tor
         raise ValueError(f"the CPU decoder refused a {m}x{k} weight in {gt_h}x{gt_w} GroupTiles (code {rc})")
     return out
 
+
+def lowbit_dequantize(qweight: torch.Tensor, scale_zero: torch.Tensor, bits: int, group_size: int, m: int,
+                      k: int) -> Optional[torch.Tensor]:
+    """Dense ``[m, k]`` in ``scale_zero``'s dtype from a CPU low-bit weight's arrays, in the stored
+    K order, bit-exact against :func:`spinfer.quant.lowbit.dequantize`; None where the library
+    is unavailable. The arrays' dtypes and shapes are checked here, so no call reads outside them."""
+    from .quant.lowbit import qweight_shape  # (the quant package imports the ops, which import this)
+
+    lib = library()
+    if lib is None or qweight.device.type != "cpu":
+        return None
+    if bits not in (1, 2, 4, 8) or group_size < 1 or k % group_size:
+        raise ValueError(f"cannot dequantize {bits}-bit weights in groups of {group_size} over K = {k}")
+    mb = -(-m // 64)
+    if qweight.dtype != torch.int32 or scale_zero.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"qweight must be int32 and scale_zero fp16 or bf16, got {qweight.dtype} and {scale_zero.dtype}")
+    if (tuple(qweight.shape) != qweight_shape(m, k, bits)
+            or tuple(scale_zero.shape) != (mb, k // group_size, 64, 2)):
+        raise ValueError(f"qweight {tuple(qweight.shape)} and scale_zero {tuple(scale_zero.shape)} do not fit a {m}x{k} "
+                         f"{bits}-bit weight in groups of {group_size}")
+    qweight, scale_zero = qweight.contiguous(), scale_zero.contiguous()
+    out = torch.empty((m, k), dtype=scale_zero.dtype)
+    rc = lib.spinfer_lowbit_dequantize(qweight.data_ptr(), scale_zero.data_ptr(), m, k, bits, group_size,
+                                       int(scale_zero.dtype == torch.bfloat16), out.data_ptr(), _threads())
+    if rc != 0:
+        raise ValueError(f"the CPU dequantizer refused a {m}x{k} {bits}-bit weight (code {rc})")
+    return out

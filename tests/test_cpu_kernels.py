@@ -1,5 +1,5 @@
-"""The compiled CPU decoder (spinfer/cpu_kernels.py, csrc/cpu/decode.cpp) against the torch-op
-reference decoder, bit for bit; its checks; and the fallback to the reference."""
+"""The compiled CPU decoders (spinfer/cpu_kernels.py, csrc/cpu/decode.cpp) against the torch-op
+reference decoders, bit for bit; their checks; and the fallback to the references."""
 
 import warnings
 
@@ -10,8 +10,12 @@ import spinfer
 from spinfer import cpu_kernels
 from spinfer.format import TCABME
 from spinfer.format.tca_bme import decode, encode
+from spinfer.quant import LowBitWeight
+from spinfer.quant.lowbit import dequantize, restore_k_order
 
 from .test_tca_bme import bits, random_sparse
+
+bits_of = bits  # (the low-bit tests' own `bits` is a bit width)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +173,7 @@ def test_a_failing_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_failure", None)
     monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    with pytest.warns(RuntimeWarning, match="CPU decoder is unavailable.*failed on decode.cpp"):
+    with pytest.warns(RuntimeWarning, match="CPU decoders are unavailable.*failed on decode.cpp"):
         assert cpu_kernels.library() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call says nothing
@@ -186,3 +190,130 @@ def test_the_library_is_built_once_per_source_and_flags(lib, monkeypatch, tmp_pa
     assert "-O3" in cpu_kernels.flags()
     monkeypatch.setattr(cpu_kernels, "BASE_FLAGS", cpu_kernels.BASE_FLAGS + ["-DSPINFER_TEST_FLAG"])
     assert cpu_kernels.library_path(cpu_kernels.compiler()) != path
+
+
+# ---- the low-bit dequantizer ----
+
+def lowbit_reference(q) -> torch.Tensor:
+    return dequantize(q.qweight, q.scale_zero, q.bits, q.group_size, q.shape, q.perm)
+
+
+def lowbit_compiled(q) -> torch.Tensor:
+    out = cpu_kernels.lowbit_dequantize(q.qweight, q.scale_zero, q.bits, q.group_size, *q.shape)
+    assert out is not None and out.dtype == q.scale_zero.dtype and tuple(out.shape) == q.shape
+    return out if q.perm is None else restore_k_order(out, q.perm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256, None])
+def test_dequantizer_matches_the_reference_bit_for_bit(lib, bits, group_size, dtype):
+    for m, k in ((1, 256), (65, 512), (130, 768)):
+        q = LowBitWeight.quantize(torch.randn(m, k, dtype=dtype), bits, group_size)
+        out = lowbit_compiled(q)
+        assert torch.equal(bits_of(out), bits_of(lowbit_reference(q)))
+        assert torch.equal(bits_of(q.dequantize()), bits_of(out))  # the layer's path is this one
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("shape", [(7, 1000), (64, 33), (300, 1450), (1, 1)])
+def test_dequantizer_on_odd_shapes(lib, bits, shape):
+    # per-channel groups: no group size of 32-256 divides these K
+    for dtype in (torch.float16, torch.bfloat16):
+        q = LowBitWeight.quantize(torch.randn(shape, dtype=dtype), bits, None)
+        assert torch.equal(bits_of(lowbit_compiled(q)), bits_of(lowbit_reference(q)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantizer_with_fractional_zeros_extreme_scales_and_a_permutation(lib, dtype):
+    # HQQ-style float zeros, scales that overflow to infinity and that give subnormal results,
+    # and an act-order permutation of K
+    m, k, g = 70, 512, 64
+    q = LowBitWeight.quantize(torch.randn(m, k, dtype=dtype), 4, g)
+    scales = torch.rand(m, k // g) * 0.1
+    scales[0] = 60000.0 if dtype == torch.float16 else 3e38  # (q - zero) * scale overflows
+    scales[1] = 1e-7 if dtype == torch.float16 else 1e-39  # subnormal results
+    zeros = torch.rand(m, k // g) * 15  # fractional
+    perm = torch.randperm(k)
+    q2 = LowBitWeight(q.qweight, scales.to(dtype), zeros.to(dtype), 4, g, (m, k), perm)
+    out, ref = lowbit_compiled(q2), lowbit_reference(q2)
+    assert torch.isinf(ref[0]).any() and (ref[1][ref[1] != 0].abs() < torch.finfo(dtype).tiny).any()
+    assert torch.equal(bits_of(out), bits_of(ref))
+    assert torch.equal(bits_of(q2.dequantize()), bits_of(ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scalar_roundings_match_torch(lib, dtype):
+    # every rounding case: ties both ways, the overflow threshold, subnormal results and their
+    # ties, the least normal, signed zeros, infinities; plus random floats over the whole range
+    f16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    f16 = f16[~torch.isnan(f16)].float()
+    halfway = (f16[:-1] + f16[1:]) / 2  # the ties of fp16
+    bf = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    bf = bf[~torch.isnan(bf)].float()
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 65519.99, 65520.0, 2.0**-24, 2.0**-25,
+                            1.5 * 2.0**-25, 2.0**-14, 2.0**-14 * (1 - 2.0**-11), 3.4e38, 1e-45])
+    rand = torch.randint(-(2**31), 2**31 - 1, (200000,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([f16, halfway, halfway.nextafter(torch.tensor(0.0)), bf, special, rand])
+    x = x[~torch.isnan(x)].contiguous()
+    out = torch.empty(x.numel(), dtype=dtype)
+    lib.spinfer_round_floats(x.data_ptr(), x.numel(), int(dtype == torch.bfloat16), out.data_ptr())
+    assert torch.equal(bits_of(out), bits_of(x.to(dtype)))
+
+
+def test_dequantizer_checks_sizes_and_dtypes(lib):
+    q = LowBitWeight.quantize(torch.randn(64, 256, dtype=torch.float16), 4, 128)
+    with pytest.raises(ValueError, match="do not fit a 64x512"):
+        cpu_kernels.lowbit_dequantize(q.qweight, q.scale_zero, 4, 128, 64, 512)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.lowbit_dequantize(q.qweight, q.scale_zero, 4, 64, 64, 256)
+    with pytest.raises(ValueError, match="cannot dequantize 3-bit"):
+        cpu_kernels.lowbit_dequantize(q.qweight, q.scale_zero, 3, 128, 64, 256)
+    with pytest.raises(TypeError, match="qweight must be int32"):
+        cpu_kernels.lowbit_dequantize(q.qweight.long(), q.scale_zero, 4, 128, 64, 256)
+    with pytest.raises(TypeError, match="scale_zero fp16 or bf16"):
+        cpu_kernels.lowbit_dequantize(q.qweight, q.scale_zero.float(), 4, 128, 64, 256)
+
+
+def test_lowbit_layers_and_ops_use_the_compiled_dequantizer(lib, monkeypatch):
+    calls = []
+    real = cpu_kernels.lowbit_dequantize
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "lowbit_dequantize", counting)
+    q = LowBitWeight.quantize(torch.randn(96, 256, dtype=torch.bfloat16), 4, 64)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    ref = (x.float() @ lowbit_reference(q).float().t()).to(x.dtype)
+    assert torch.equal(bits_of(spinfer.lowbit_mm(x, q)), bits_of(ref))
+    layer = spinfer.nn.SparseLinear(q, None)
+    assert layer.format == "lowbit"
+    layer(x)
+    assert calls == [4, 4]
+
+
+def test_without_the_library_the_reference_dequantizes(monkeypatch):
+    monkeypatch.setenv("SPINFER_CPU_KERNELS", "0")
+    q = LowBitWeight.quantize(torch.randn(70, 256, dtype=torch.float16), 2, 64)
+    assert cpu_kernels.lowbit_dequantize(q.qweight, q.scale_zero, 2, 64, 70, 256) is None
+    assert torch.equal(bits_of(q.dequantize()), bits_of(lowbit_reference(q)))
+
+
+def test_the_portable_build_without_x86_extensions_gives_the_same_bits(lib, monkeypatch, tmp_path):
+    # The scalar forms (no SSSE3 shuffle, no F16C conversion, no POPCNT): what a CPU without them,
+    # or another architecture, runs.
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_failure", None)
+    monkeypatch.setattr(cpu_kernels, "flags", lambda: list(cpu_kernels.BASE_FLAGS))
+    monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))
+    portable = cpu_kernels.library()
+    assert portable is not None and portable is not lib
+    assert cpu_kernels.library_path(cpu_kernels.compiler()).is_relative_to(tmp_path)
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((300, 1450), 0.6, dtype)
+        assert torch.equal(bits_of(compiled(TCABME.from_dense(w))), bits_of(w))
+        for bits in (1, 4, 8):
+            q = LowBitWeight.quantize(torch.randn(70, 1001, dtype=dtype), bits, None)
+            assert torch.equal(bits_of(lowbit_compiled(q)), bits_of(lowbit_reference(q)))

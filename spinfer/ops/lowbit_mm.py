@@ -1,7 +1,7 @@
 """``spinfer::lowbit_mm``: ``y = x @ W.T + bias`` with ``W`` a weight-only low-bit
 :class:`~spinfer.quant.LowBitWeight`.
 
-CPU: the reference (dequantize, multiply in fp32). CUDA: for ``N <= fused_max_n(bits)`` the fused
+CPU: the reference (dequantize, compiled: spinfer/cpu_kernels.py; multiply in fp32). CUDA: for ``N <= fused_max_n(bits)`` the fused
 kernel (``spinfer::lowbit_mm_out``, spinfer/csrc/lowbit_mm.cuh), which dequantizes in
 registers straight into tensor-core fragments, once per token tile; above it, the weight is
 dequantized once (``spinfer::lowbit_to_dense``, one streaming kernel) and cuBLAS multiplies
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import build, tuning
-from ..quant.lowbit import ROW_BLOCK, LowBitWeight, check_bits, dequantize
+from ..quant.lowbit import ROW_BLOCK, LowBitWeight, check_bits
 from . import library  # noqa: F401  (defines the schemas)
+from .to_dense import dequantize_on_cpu
 from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, direct_call_ok, flatten_input,
                            linear_input_grads, needs_input_grad, refuse_weight_grad, wants_grad)
 
@@ -40,7 +41,7 @@ def fused_max_n(bits: int) -> int:
 
 def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias):
     check_op_inputs(x, scale_zero, m, k, bias)
-    w = dequantize(qweight, scale_zero, bits, group_size, (m, k), perm)
+    w = dequantize_on_cpu(qweight, scale_zero, bits, group_size, m, k, perm)
     y = x.float() @ w.float().t()
     if bias is not None:
         y += bias.float()

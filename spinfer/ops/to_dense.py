@@ -1,9 +1,8 @@
 """``spinfer::tca_bme_to_dense`` and ``spinfer::lowbit_to_dense``: a compressed weight as a dense
 ``[M, K]`` matrix in its dtype.
 
-CPU: the compiled decoder for TCA-BME (spinfer/cpu_kernels.py), else the reference; the reference
-dequantizer for low-bit weights. CUDA: one streaming kernel each
-(spinfer/csrc/to_dense.cu), bit-exact against the references. :meth:`TCABME.to_dense
+CPU: the compiled decoders (spinfer/cpu_kernels.py), else the references. CUDA: one streaming
+kernel each (spinfer/csrc/to_dense.cu). Both bit-exact against the references. :meth:`TCABME.to_dense
 <spinfer.format.TCABME.to_dense>` and :meth:`LowBitWeight.dequantize
 <spinfer.quant.LowBitWeight.dequantize>` call them; at large N the layers decode once and run
 one dense GEMM (the ``decode+dense`` kernel of a TCA-BME layer, and ``lowbit_mm`` above
@@ -16,7 +15,7 @@ import torch
 
 from .. import build, cpu_kernels
 from ..format.tca_bme import Geometry, decode, validate_arrays
-from ..quant.lowbit import LowBitWeight, dequantize
+from ..quant.lowbit import LowBitWeight, dequantize, restore_k_order
 from . import library  # noqa: F401  (defines the schemas)
 
 
@@ -43,9 +42,19 @@ def _lowbit_to_dense_fake(qweight, scale_zero, bits, group_size, m, k):
     return scale_zero.new_empty((m, k))
 
 
+def dequantize_on_cpu(qweight, scale_zero, bits: int, group_size: int, m: int, k: int, perm=None) -> torch.Tensor:
+    """Dense ``[m, k]`` of a checked CPU low-bit weight's arrays, in the original K order: the
+    compiled dequantizer, or the reference :func:`~spinfer.quant.lowbit.dequantize` where it is
+    unavailable. Bit-exact either way."""
+    w = cpu_kernels.lowbit_dequantize(qweight, scale_zero, bits, group_size, m, k)
+    if w is None:
+        return dequantize(qweight, scale_zero, bits, group_size, (m, k), perm)
+    return w if perm is None else restore_k_order(w, perm)
+
+
 def _lowbit_to_dense_cpu(qweight, scale_zero, bits, group_size, m, k):
     LowBitWeight(qweight, None, None, bits, group_size, (m, k), scale_zero=scale_zero)  # validates
-    return dequantize(qweight, scale_zero, bits, group_size, (m, k))
+    return dequantize_on_cpu(qweight, scale_zero, bits, group_size, m, k)
 
 
 torch.library.impl("spinfer::tca_bme_to_dense", "CPU")(_tca_bme_to_dense_cpu)
@@ -68,10 +77,8 @@ def lowbit_to_dense(weight: LowBitWeight) -> torch.Tensor:
     m, k = weight.shape
     if build.load_for(weight.qweight):
         w = torch.ops.spinfer.lowbit_to_dense(weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k)
+    elif weight.qweight.device.type == "cpu":
+        w = dequantize_on_cpu(weight.qweight, weight.scale_zero, weight.bits, weight.group_size, m, k)
     else:
         w = dequantize(weight.qweight, weight.scale_zero, weight.bits, weight.group_size, (m, k))
-    if weight.perm is None:
-        return w
-    out = torch.empty_like(w)
-    out[:, weight.perm] = w
-    return out
+    return w if weight.perm is None else restore_k_order(w, weight.perm)

@@ -200,11 +200,15 @@ def dequantize(qweight, scale_zero, bits: int, group_size: int, shape, perm=None
     scales, zeros = sz[..., 0], sz[..., 1]
     q = unpack(qweight, bits, m)[:, :k].float().reshape(m, k // group_size, group_size)
     w = ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(m, k).to(scales.dtype)
-    if perm is not None:
-        out = torch.empty_like(w)
-        out[:, perm] = w
-        w = out
-    return w
+    return w if perm is None else restore_k_order(w, perm)
+
+
+def restore_k_order(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """A dequantized ``[M, K]`` in the stored (act-order permuted) K order -> the original order:
+    stored column ``j`` is original column ``perm[j]``."""
+    out = torch.empty_like(w)
+    out[:, perm] = w
+    return out
 
 
 class LowBitWeight:

@@ -1,15 +1,17 @@
-// CPU decoder of TCA-BME weights, loaded with ctypes by spinfer/cpu_kernels.py.
+// CPU decoders of spinfer's compressed weights (TCA-BME, and the low-bit format), loaded with
+// ctypes by spinfer/cpu_kernels.py.
 //
 // Plain C++17 with a C interface and no torch headers: it compiles in about a second with the
 // system compiler, where a torch extension takes about a minute, and it runs beside any torch
 // build (CPU or CUDA). The Python side passes data pointers of contiguous tensors and checks
 // every size; this side still refuses a GroupTile whose run would read past `values`.
 //
-// Before it, the CPU path decoded with torch ops (spinfer/format/tca_bme.py: decode): a
-// 4096x4096 weight at 50% took ~170 ms on two cores, 70x F.linear's time at one token. That
-// decoder stays the reference the tests compare this one with, bit for bit.
+// Before them, the CPU path decoded with torch ops (spinfer/format/tca_bme.py: decode,
+// spinfer/quant/lowbit.py: dequantize): a 4096x4096 weight took ~170 ms at 50% sparsity and
+// ~160 ms at 4 bits on two cores, 70x F.linear's time at one token. Those decoders stay the
+// references the tests compare these with, bit for bit.
 //
-// The unit of work is one row of a BitmapTile: a byte of its word, 8 adjacent elements of one
+// TCA-BME. The unit of work is one row of a BitmapTile: a byte of its word, 8 adjacent elements of one
 // weight row, whose stored values are the next popcount(byte) entries of the run. Built with
 // SSSE3 (spinfer/cpu_kernels.py passes -mssse3 where the CPU has it), one PSHUFB from a 256-entry
 // table spreads them into their places (zeros elsewhere) and one 16-byte store writes the row,
@@ -23,8 +25,8 @@
 #include <thread>
 #include <vector>
 
-#ifdef __SSSE3__
-#include <tmmintrin.h>
+#if defined(__SSSE3__) || defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -165,12 +167,160 @@ bool parallel_rows(int64_t rows, int threads, Fn fn) {
     return std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
 }
 
+// ---- the low-bit format (spinfer/quant/lowbit.py) ----
+
+// The 16-bit value patterns as float32, exactly, and with no float32 subnormal on the way (a
+// process may run with denormals flushed: torch.set_flush_denormal). fp16: normal numbers by
+// rebiasing the exponent in the integer, subnormals as their integer mantissa times 2^-24
+// (a normal float32), infinities and NaN with an all-ones exponent and their payload.
+inline float fp16_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exponent = h & 0x7c00u, mantissa = h & 0x03ffu;
+    uint32_t bits;
+    if (exponent == 0x7c00u) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent == 0) {
+        const float f = static_cast<float>(mantissa) * 0x1p-24f;
+        std::memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else {
+        bits = sign | ((static_cast<uint32_t>(h & 0x7fffu) << 13) + ((127u - 15u) << 23));
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// float32 to fp16 / bf16, rounded to nearest even as torch's .to() rounds, in integer arithmetic
+// (so no floating-point mode can change it). NaN becomes torch's scalar conversions' quiet NaN.
+inline uint16_t float_to_fp16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00u;
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;  // from 65520 (a tie that rounds to even: 2^16) up: inf
+    if (ax < 0x38800000u) {                         // below 2^-14: a subnormal fp16, or zero
+        if (ax <= 0x33000000u) return sign;          // up to 2^-25 (a tie: to the even zero)
+        const uint32_t shift = 126u - (ax >> 23);    // 14 .. 24: the fp16 unit 2^-24 in the mantissa
+        const uint32_t mantissa = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t q = mantissa >> shift;
+        const uint32_t rest = mantissa & ((1u << shift) - 1), half = 1u << (shift - 1);
+        q += rest > half || (rest == half && (q & 1u));
+        return sign | static_cast<uint16_t>(q);     // (q = 0x400 is the least normal: right too)
+    }
+    const uint32_t rounded = ax + 0xfffu + ((ax >> 13) & 1u);  // to nearest even at bit 13
+    return sign | static_cast<uint16_t>((rounded - ((127u - 15u) << 23)) >> 13);
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// kStreamIndex[b][c]: the index in a 128-column chunk's packed stream of column c's value at
+// width 1 << b bits: the inverse of fragment_order (spinfer/quant/lowbit.py), where stream value
+// j is word j / V, position p = j % V (V = 32 / bits); word t * bits + wi belongs to lane t; p is
+// pair s = p % (V / 2), half e = p / (V / 2); and the column is 16 T + 4 t + 2 (s % 2) + e with
+// T = wi V / 4 + s / 2.
+constexpr std::array<std::array<uint8_t, 128>, 4> make_stream_index() {
+    std::array<std::array<uint8_t, 128>, 4> t{};
+    for (int b = 0; b < 4; ++b) {
+        const int bits = 1 << b, v = 32 / bits;
+        for (int j = 0; j < 128; ++j) {
+            const int word = j / v, p = j % v, lane = word / bits, wi = word % bits;
+            const int s = p % (v / 2), e = p / (v / 2);
+            const int tile = wi * (v / 4) + s / 2;
+            t[b][16 * tile + 4 * lane + 2 * (s % 2) + e] = static_cast<uint8_t>(j);
+        }
+    }
+    return t;
+}
+constexpr auto kStreamIndex = make_stream_index();
+
+struct LowBit {
+    const uint32_t* qweight;   // [Mp/64, Kp/S, 64, S bits / 32]
+    const uint16_t* scale_zero;  // [Mp/64, K/g, 64, 2]
+    int64_t m, k, group_size;
+    int bits;
+    bool bf16;
+};
+
+// Rows [row0, row1) of the dequantized weight into `out` ([m, k] in the scales' dtype):
+// ((q - zero) * scale) in float32, rounded once, as the reference computes it. A 128-column
+// chunk's values are unpacked into column order first, then converted group by group. (The
+// width is a template parameter: with a run-time width the divisions by 32 / bits were integer
+// divisions, and the kernel ran at about half this speed.)
+template <int kBits, bool kBf16>
+void dequantize_rows(const LowBit& w, int64_t row0, int64_t row1, uint16_t* out) {
+    constexpr int kPerWord = 32 / kBits;
+    constexpr uint32_t kMask = (1u << kBits) - 1;
+    constexpr int64_t kStage = kBits == 8 ? 128 : 256, kStageWords = kStage * kBits / 32, kChunkWords = 4 * kBits;
+    const int64_t k = w.k, group_size = w.group_size;
+    const int64_t stages = (k + 255) / 256 * 256 / kStage, groups = k / group_size;
+    const uint8_t* const index = kStreamIndex[__builtin_ctz(static_cast<unsigned>(kBits))].data();
+    alignas(64) float q[128];
+    for (int64_t row = row0; row < row1; ++row) {
+        const int64_t block = row / 64, r = row % 64;
+        const uint16_t* const pairs = w.scale_zero + (block * groups * 64 + r) * 2;  // group g at + 128 g
+        uint16_t* const dst = out + row * k;
+        for (int64_t c0 = 0; c0 < k; c0 += 128) {
+            const uint32_t* words = w.qweight + ((block * stages + c0 / kStage) * 64 + r) * kStageWords +
+                                    (c0 % kStage) / 128 * kChunkWords;
+            for (int c = 0; c < 128; ++c) {
+                const int j = index[c];
+                q[c] = static_cast<float>((words[j / kPerWord] >> (kBits * (j % kPerWord))) & kMask);
+            }
+            const int64_t end = std::min<int64_t>(128, k - c0);
+            for (int64_t c = 0; c < end;) {  // one group's segment at a time
+                const int64_t g = (c0 + c) / group_size;
+                const int64_t seg_end = std::min<int64_t>(end, (g + 1) * group_size - c0);
+                const uint16_t* pair = pairs + g * 128;
+                const float scale = kBf16 ? bf16_to_float(pair[0]) : fp16_to_float(pair[0]);
+                const float zero = kBf16 ? bf16_to_float(pair[1]) : fp16_to_float(pair[1]);
+#ifdef __F16C__
+                if constexpr (!kBf16) {  // 4 at a time through the hardware's conversion (also RNE)
+                    const __m128 zv = _mm_set1_ps(zero), sv = _mm_set1_ps(scale);
+                    for (; c + 4 <= seg_end; c += 4) {
+                        const __m128 v = _mm_mul_ps(_mm_sub_ps(_mm_load_ps(q + c), zv), sv);
+                        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + c0 + c),
+                                         _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    }
+                }
+#endif
+                for (; c < seg_end; ++c) {
+                    const float v = (q[c] - zero) * scale;
+                    dst[c0 + c] = kBf16 ? float_to_bf16(v) : float_to_fp16(v);
+                }
+            }
+        }
+    }
+}
+
+template <int kBits>
+void dequantize_rows_of(const LowBit& w, int64_t row0, int64_t row1, uint16_t* out) {
+    if (w.bf16) {
+        dequantize_rows<kBits, true>(w, row0, row1, out);
+    } else {
+        dequantize_rows<kBits, false>(w, row0, row1, out);
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Version of this interface; spinfer/cpu_kernels.py refuses a library that reports another.
-int spinfer_cpu_abi_version() { return 1; }
+int spinfer_cpu_abi_version() { return 2; }
 
 // Dense [m, k] (row-major, the 16-bit patterns of the values' dtype) from TCA-BME arrays.
 // Returns 0; 1 if a GroupTile's run reaches past `values` (out is then incomplete); 2 for
@@ -183,6 +333,36 @@ int spinfer_tca_bme_decode(const uint64_t* bitmap, const uint16_t* values, int64
     const bool ok = parallel_rows((m + gt_h - 1) / gt_h, threads,
                                   [&](int64_t a, int64_t b) { return decode_rows(w, a, b, out); });
     return ok ? 0 : 1;
+}
+
+// Dense [m, k] in the scales' dtype (the 16-bit patterns; bf16 != 0 for bf16, else fp16) from a
+// low-bit weight: qweight [ceil(m / 64), Kp / S, 64, S bits / 32] (Kp = k rounded up to 256,
+// S = 128 at 8 bits, else 256) and scale_zero [ceil(m / 64), k / group_size, 64, 2], the sizes
+// spinfer/cpu_kernels.py checks. Columns in the stored K order (the caller undoes a permutation).
+// Returns 0, or 2 for arguments it cannot take.
+int spinfer_lowbit_dequantize(const uint32_t* qweight, const uint16_t* scale_zero, int64_t m, int64_t k, int bits,
+                              int64_t group_size, int bf16, uint16_t* out, int threads) {
+    if (m < 1 || k < 1 || group_size < 1 || k % group_size || (bits != 1 && bits != 2 && bits != 4 && bits != 8))
+        return 2;
+    const LowBit w{qweight, scale_zero, m, k, group_size, bits, bf16 != 0};
+    // rows in blocks of 64, so that threads do not share the cache lines of a tile's rows
+    parallel_rows((m + 63) / 64, threads, [&](int64_t a, int64_t b) {
+        const int64_t r0 = a * 64, r1 = std::min(m, b * 64);
+        switch (bits) {
+            case 1: dequantize_rows_of<1>(w, r0, r1, out); break;
+            case 2: dequantize_rows_of<2>(w, r0, r1, out); break;
+            case 4: dequantize_rows_of<4>(w, r0, r1, out); break;
+            default: dequantize_rows_of<8>(w, r0, r1, out); break;
+        }
+        return true;
+    });
+    return 0;
+}
+
+// The scalar float32 -> fp16 / bf16 roundings of the dequantizer, for the tests to hold against
+// torch's .to() on every kind of input (n values from `in` to `out`).
+void spinfer_round_floats(const float* in, int64_t n, int bf16, uint16_t* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16 ? float_to_bf16(in[i]) : float_to_fp16(in[i]);
 }
 
 }  // extern "C"

@@ -66,10 +66,11 @@ def flags() -> list:
     conversion where this CPU has them (every x86-64 CPU of the last ten years; without -mpopcnt
     each PopCount is a libgcc call, which made the TCA-BME decoder ~2x slower, and without F16C the
     fp16 dequantizer rounds in integer code, 2-4x slower; the source has a form for either)."""
+    extra = os.environ.get("SPINFER_CPU_CFLAGS", "").split()  # e.g. -fsanitize=address: scripts/asan_cpu.sh
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
-        return list(BASE_FLAGS)
+        return BASE_FLAGS + extra
     have = _cpu_flags()
-    return BASE_FLAGS + [f"-m{f}" for f in ("ssse3", "popcnt", "f16c") if f in have]
+    return BASE_FLAGS + [f"-m{f}" for f in ("ssse3", "popcnt", "f16c") if f in have] + extra
 
 
 def library_path(cxx: str) -> Path:

@@ -1,4 +1,5 @@
-"""Encode/decode time of TCA-BME on the CPU (or a GPU with --device cuda).
+"""Encode/decode time of TCA-BME on the CPU (or a GPU with --device cuda). On the CPU the compiled
+encoder and decoder (spinfer/cpu_kernels.py) run, and the torch-op references are timed beside them.
 
     python benchmarks/bench_encode.py [--m 28672 --k 8192 --sparsity 0.5 --device cpu]
 """
@@ -9,6 +10,7 @@ import time
 import torch
 
 from spinfer.format import TCABME
+from spinfer.format.tca_bme import decode, encode_reference
 
 
 def main():
@@ -46,6 +48,11 @@ def main():
     print(f"  decode   {t_dec:7.2f} s")
     print(f"  validate {t_val:7.2f} s")
     print(f"  compression ratio {enc.compression_ratio:.3f}x")
+    if a.device == "cpu":
+        t_enc_ref, _ = timed(lambda: encode_reference(w))
+        t_dec_ref, _ = timed(lambda: decode(enc.bitmap, enc.values, enc.gtile_offset, enc.shape))
+        print(f"  encode, torch-op reference {t_enc_ref:7.2f} s")
+        print(f"  decode, torch-op reference {t_dec_ref:7.2f} s")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The compiled CPU decoders of compressed weights (``spinfer/csrc/cpu/decode.cpp``), loaded with
-ctypes: TCA-BME (:func:`tca_bme_decode`) and the low-bit format (:func:`lowbit_dequantize`).
+ctypes: TCA-BME (:func:`tca_bme_decode`, and its encoder :func:`tca_bme_encode`) and the low-bit
+format (:func:`lowbit_dequantize`).
 
 On the CPU a compressed layer decodes its weight and multiplies it densely. Decoding with torch
 ops took ~170 ms for a 4096x4096 weight at 50% and ~160 ms at 4 bits on two cores, 70x
@@ -26,7 +27,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -34,7 +35,7 @@ from .cache import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "decode.cpp"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-ABI_VERSION = 2  # spinfer_cpu_abi_version() of the source above
+ABI_VERSION = 3  # spinfer_cpu_abi_version() of the source above
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -105,6 +106,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.spinfer_tca_bme_decode.restype = ctypes.c_int
     lib.spinfer_lowbit_dequantize.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.spinfer_lowbit_dequantize.restype = ctypes.c_int
+    lib.spinfer_tca_bme_count.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.spinfer_tca_bme_count.restype = ctypes.c_int
+    lib.spinfer_tca_bme_pack.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.spinfer_tca_bme_pack.restype = ctypes.c_int
     lib.spinfer_round_floats.argtypes = [ptr, i64, ctypes.c_int, ptr]
     lib.spinfer_round_floats.restype = None
     return lib
@@ -169,6 +174,40 @@ def tca_bme_decode(bitmap: torch.Tensor, values: torch.Tensor, gtile_offset: tor
     if rc != 0:
         raise ValueError(f"the CPU decoder refused a {m}x{k} weight in {gt_h}x{gt_w} GroupTiles (code {rc})")
     return out
+
+
+def tca_bme_encode(weight: torch.Tensor, group_tile) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(bitmap, values, gtile_offset)`` of a CPU ``[M, K]`` fp16 / bf16 weight that
+    ``check_weight`` accepted, as :func:`spinfer.format.tca_bme.encode_reference` makes them; None
+    where the library is unavailable. Two passes: the bitmap and each GroupTile's count, then,
+    with the offsets summed here, the runs."""
+    from .format.tca_bme import VALUE_ALIGN, Geometry  # (the format module imports this one)
+
+    lib = library()
+    if lib is None or weight.device.type != "cpu":
+        return None
+    m, k = weight.shape
+    geom = Geometry(m, k, *(int(v) for v in group_tile))
+    w = weight.detach().contiguous()
+    bitmap = torch.empty(geom.num_bitmap_tiles, dtype=torch.int64)
+    counts = torch.empty(geom.num_group_tiles, dtype=torch.int64)
+    rc = lib.spinfer_tca_bme_count(w.data_ptr(), m, k, geom.gt_h, geom.gt_w, bitmap.data_ptr(), counts.data_ptr(),
+                                   _threads())
+    if rc != 0:
+        raise ValueError(f"the CPU encoder refused a {m}x{k} weight in {geom.gt_h}x{geom.gt_w} GroupTiles (code {rc})")
+    ends = torch.cumsum(counts + (-counts) % VALUE_ALIGN, 0)
+    total = int(ends[-1])
+    if total > torch.iinfo(torch.int32).max:
+        raise ValueError(f"weight has {total} stored values, more than int32 GroupTile offsets can address")
+    offsets = torch.zeros(geom.num_group_tiles + 1, dtype=torch.int32)
+    offsets[1:] = ends
+    values = torch.empty(total, dtype=w.dtype)
+    rc = lib.spinfer_tca_bme_pack(w.data_ptr(), m, k, geom.gt_h, geom.gt_w, offsets.data_ptr(), values.data_ptr(),
+                                  total, _threads())
+    if rc != 0:  # (pass 2 counts what pass 1 counted: only a weight changed in between lands here)
+        raise RuntimeError(f"the CPU encoder's runs did not fit the offsets of its own counts (code {rc}); was the "
+                           "weight written to while it was encoded?")
+    return bitmap, values, offsets
 
 
 def lowbit_dequantize(qweight: torch.Tensor, scale_zero: torch.Tensor, bits: int, group_size: int, m: int,

@@ -1,5 +1,5 @@
-"""The compiled CPU decoders (spinfer/cpu_kernels.py, csrc/cpu/decode.cpp) against the torch-op
-reference decoders, bit for bit; their checks; and the fallback to the references."""
+"""The compiled CPU decoders and the TCA-BME encoder (spinfer/cpu_kernels.py, csrc/cpu/decode.cpp)
+against the torch-op references, bit for bit; their checks; and the fallback to the references."""
 
 import warnings
 
@@ -9,7 +9,7 @@ import torch
 import spinfer
 from spinfer import cpu_kernels
 from spinfer.format import TCABME
-from spinfer.format.tca_bme import decode, encode
+from spinfer.format.tca_bme import decode, encode, encode_reference
 from spinfer.quant import LowBitWeight
 from spinfer.quant.lowbit import dequantize, restore_k_order
 
@@ -47,6 +47,30 @@ def test_decoder_matches_the_reference_bit_for_bit(lib, shape, sparsity, dtype):
     assert torch.equal(bits(out), bits(w))
 
 
+def same_arrays(a, b) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(bits(x) if x.is_floating_point() else x,
+                                                  bits(y) if y.is_floating_point() else y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 9), (64, 64), (63, 65), (300, 1450), (4097, 1000)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9, 0.999, 1.0])
+def test_encoder_matches_the_reference(lib, shape, sparsity, dtype):
+    w = random_sparse(shape, sparsity, dtype)
+    arrays = cpu_kernels.tca_bme_encode(w, (64, 64))
+    assert arrays is not None and same_arrays(arrays, encode_reference(w))
+    assert same_arrays(encode(w), arrays)  # encode (TCABME.from_dense) takes this path on the CPU
+
+
+@pytest.mark.parametrize("group_tile", [(16, 16), (32, 128), (128, 64), (48, 80)])
+def test_encoder_takes_any_group_tile_and_keeps_special_values(lib, group_tile):
+    w = random_sparse((201, 333), 0.6, torch.float16)
+    w[0, :4] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")], dtype=torch.float16)
+    w[200, 332] = torch.finfo(torch.float16).tiny / 4
+    w = w.t().contiguous().t()  # a column-major view: encoded as its values, not its memory
+    assert same_arrays(cpu_kernels.tca_bme_encode(w, group_tile), encode_reference(w, group_tile))
+
+
 @pytest.mark.parametrize("group_tile", [(16, 16), (32, 128), (128, 64), (48, 80)])
 def test_decoder_takes_any_group_tile(lib, group_tile):
     w = random_sparse((201, 333), 0.6, torch.float16)
@@ -64,7 +88,7 @@ def test_decoder_keeps_signed_zeros_nan_and_infinities(lib):
 
 @pytest.mark.parametrize("pattern", ["one_dense_group_tile", "empty_rows", "dense_first_column", "one_dense_row",
                                      "checkerboard"])
-def test_decoder_on_adversarial_patterns(lib, pattern):
+def test_encoder_and_decoder_on_adversarial_patterns(lib, pattern):
     w = random_sparse((257, 200), 0.0, torch.bfloat16)
     mask = torch.zeros(w.shape, dtype=torch.bool)
     if pattern == "one_dense_group_tile":
@@ -82,6 +106,7 @@ def test_decoder_on_adversarial_patterns(lib, pattern):
         mask[1::2, 1::2] = True
     w = torch.where(mask, w, torch.zeros_like(w))
     enc = TCABME.from_dense(w)
+    assert same_arrays((enc.bitmap, enc.values, enc.gtile_offset), encode_reference(w))
     assert torch.equal(bits(compiled(enc)), bits(w))
 
 
@@ -162,7 +187,9 @@ def test_without_the_library_the_reference_decodes(monkeypatch):
     assert cpu_kernels.library() is None
     assert "SPINFER_CPU_KERNELS=0" in cpu_kernels.unavailable_reason()
     w = random_sparse((70, 90), 0.5, torch.bfloat16)
+    assert cpu_kernels.tca_bme_encode(w, (64, 64)) is None
     enc = TCABME.from_dense(w)
+    assert same_arrays((enc.bitmap, enc.values, enc.gtile_offset), encode_reference(w))
     assert torch.equal(bits(enc.to_dense()), bits(w))
     x = torch.randn(2, 90, dtype=torch.bfloat16)
     assert torch.equal(bits(spinfer.spmm(x, enc)), bits((x.float() @ w.float().t()).to(x.dtype)))
@@ -313,7 +340,24 @@ def test_the_portable_build_without_x86_extensions_gives_the_same_bits(lib, monk
     assert cpu_kernels.library_path(cpu_kernels.compiler()).is_relative_to(tmp_path)
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((300, 1450), 0.6, dtype)
+        assert same_arrays(cpu_kernels.tca_bme_encode(w, (64, 64)), encode_reference(w))
         assert torch.equal(bits_of(compiled(TCABME.from_dense(w))), bits_of(w))
         for bits in (1, 4, 8):
             q = LowBitWeight.quantize(torch.randn(70, 1001, dtype=dtype), bits, None)
             assert torch.equal(bits_of(lowbit_compiled(q)), bits_of(lowbit_reference(q)))
+
+
+def test_encoder_refuses_runs_that_do_not_fit_their_offsets(lib):
+    # (only a weight written between the two passes can do this through tca_bme_encode)
+    w = random_sparse((128, 128), 0.5, torch.float16)
+    bitmap, values, offsets = encode_reference(w)
+    out = torch.full_like(values, 7.0)
+    bad = offsets.clone()
+    bad[2] = bad[1]  # GroupTile 1 gets an empty run
+    rc = lib.spinfer_tca_bme_pack(w.data_ptr(), 128, 128, 64, 64, bad.data_ptr(), out.data_ptr(), out.numel(), 1)
+    assert rc == 1
+    rc = lib.spinfer_tca_bme_pack(w.data_ptr(), 128, 128, 64, 64, offsets.data_ptr(), out.data_ptr(),
+                                  out.numel() - 1, 1)  # the values array one short
+    assert rc == 1
+    rc = lib.spinfer_tca_bme_pack(w.data_ptr(), 128, 128, 64, 64, offsets.data_ptr(), out.data_ptr(), out.numel(), 1)
+    assert rc == 0 and torch.equal(bits(out), bits(values))

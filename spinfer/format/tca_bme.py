@@ -167,7 +167,22 @@ def check_row_table(row_offset: Optional[torch.Tensor], geom: Geometry, device: 
 
 
 def encode(weight: torch.Tensor, group_tile=DEFAULT_GROUP_TILE):
-    """Encode a dense ``[M, K]`` fp16/bf16 weight; returns ``(bitmap, values, gtile_offset)``."""
+    """Encode a dense ``[M, K]`` fp16/bf16 weight; returns ``(bitmap, values, gtile_offset)``. On
+    the CPU the compiled encoder (spinfer/cpu_kernels.py) makes them, elsewhere (or without it)
+    :func:`encode_reference`; the same arrays either way."""
+    check_weight(weight)
+    group_tile = check_group_tile(group_tile)
+    if weight.device.type == "cpu":
+        from .. import cpu_kernels  # (a leaf module: no cycle, but the format package loads first)
+
+        arrays = cpu_kernels.tca_bme_encode(weight, group_tile)
+        if arrays is not None:
+            return arrays
+    return encode_reference(weight, group_tile)
+
+
+def encode_reference(weight: torch.Tensor, group_tile=DEFAULT_GROUP_TILE):
+    """:func:`encode` in torch ops, on any device: the reference the compiled encoder is held to."""
     check_weight(weight)
     weight = weight.detach()  # the encoded weight is frozen: the ops differentiate x and bias only
     gt_h, gt_w = check_group_tile(group_tile)

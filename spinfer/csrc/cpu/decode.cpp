@@ -79,6 +79,7 @@ inline void spread_row(unsigned mask, const uint16_t* v, uint16_t* dst, bool sim
         return;
     }
 #endif
+    (void)simd;
     uint16_t row[8];
     spread_row_scalar(mask, v, row);
     std::memcpy(dst, row, sizeof(uint16_t) * static_cast<size_t>(std::min<int64_t>(cols, 8)));
@@ -165,6 +166,85 @@ bool parallel_rows(int64_t rows, int threads, Fn fn) {
     }
     for (auto& th : pool) th.join();
     return std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
+}
+
+// ---- TCA-BME encoding ----
+
+// kGather[mask]: PSHUFB controls that move the elements of a BitmapTile row whose bits are set
+// in `mask` to the front, in column order (the inverse of kSpread); 0x80 after them.
+constexpr std::array<std::array<uint8_t, 16>, 256> make_gather() {
+    std::array<std::array<uint8_t, 16>, 256> t{};
+    for (int mask = 0; mask < 256; ++mask) {
+        int next = 0;
+        for (int c = 0; c < 8; ++c) {
+            if ((mask >> c) & 1) {
+                t[mask][2 * next] = static_cast<uint8_t>(2 * c);
+                t[mask][2 * next + 1] = static_cast<uint8_t>(2 * c + 1);
+                ++next;
+            }
+        }
+        for (int i = 2 * next; i < 16; ++i) t[mask][i] = 0x80;
+    }
+    return t;
+}
+alignas(16) constexpr auto kGather = make_gather();
+
+// One BitmapTile row of the dense weight: its mask (bit c: element c's 16-bit pattern is not
+// zero; so -0.0 and NaN are stored) and, with `values`, its stored elements written to
+// values[0 .. 8) in column order (only the first popcount(mask) matter). `cols` (<= 8) clips the
+// row at the weight's edge; `row` is null for a row past it.
+inline unsigned gather_row(const uint16_t* row, int64_t cols, uint16_t* values) {
+    if (row == nullptr || cols <= 0) return 0;
+#ifdef __SSSE3__
+    if (cols >= 8) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        const __m128i zero = _mm_cmpeq_epi16(x, _mm_setzero_si128());
+        const unsigned mask = ~static_cast<unsigned>(_mm_movemask_epi8(_mm_packs_epi16(zero, zero))) & 0xffu;
+        if (values != nullptr) {
+            const __m128i ctl = _mm_load_si128(reinterpret_cast<const __m128i*>(kGather[mask].data()));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(values), _mm_shuffle_epi8(x, ctl));
+        }
+        return mask;
+    }
+#endif
+    unsigned mask = 0;
+    int next = 0;
+    for (int64_t c = 0; c < std::min<int64_t>(cols, 8); ++c) {
+        if (row[c] != 0) {
+            mask |= 1u << c;
+            if (values != nullptr) values[next] = row[c];
+            ++next;
+        }
+    }
+    return mask;
+}
+
+struct Dense {
+    const uint16_t* w;  // [m, k] row-major
+    int64_t m, k, gt_h, gt_w;
+};
+
+// GroupTile (gr, gc) of the dense weight, in storage order: its bitmap words to `words` and, with
+// `run`, its stored values to run[0 .. count) (run has room for gt_h * gt_w + 8). Returns count.
+int64_t encode_group_tile(const Dense& d, int64_t gr, int64_t gc, uint64_t* words, uint16_t* run) {
+    int64_t count = 0;
+    for (int64_t tr = 0; tr < d.gt_h / 16; ++tr) {
+        for (int64_t tc = 0; tc < d.gt_w / 16; ++tc) {
+            for (int bt = 0; bt < 4; ++bt) {  // column-major: (0,0), (1,0), (0,1), (1,1)
+                const int64_t r0 = gr * d.gt_h + tr * 16 + (bt & 1) * 8;
+                const int64_t c0 = gc * d.gt_w + tc * 16 + (bt >> 1) * 8;
+                uint64_t word = 0;
+                for (int r = 0; r < 8; ++r) {
+                    const uint16_t* row = r0 + r < d.m && c0 < d.k ? d.w + (r0 + r) * d.k + c0 : nullptr;
+                    const unsigned mask = gather_row(row, d.k - c0, run == nullptr ? nullptr : run + count);
+                    word |= static_cast<uint64_t>(mask) << (8 * r);
+                    count += __builtin_popcount(mask);
+                }
+                *words++ = word;
+            }
+        }
+    }
+    return count;
 }
 
 // ---- the low-bit format (spinfer/quant/lowbit.py) ----
@@ -320,7 +400,7 @@ void dequantize_rows_of(const LowBit& w, int64_t row0, int64_t row1, uint16_t* o
 extern "C" {
 
 // Version of this interface; spinfer/cpu_kernels.py refuses a library that reports another.
-int spinfer_cpu_abi_version() { return 2; }
+int spinfer_cpu_abi_version() { return 3; }
 
 // Dense [m, k] (row-major, the 16-bit patterns of the values' dtype) from TCA-BME arrays.
 // Returns 0; 1 if a GroupTile's run reaches past `values` (out is then incomplete); 2 for
@@ -363,6 +443,51 @@ int spinfer_lowbit_dequantize(const uint32_t* qweight, const uint16_t* scale_zer
 // torch's .to() on every kind of input (n values from `in` to `out`).
 void spinfer_round_floats(const float* in, int64_t n, int bf16, uint16_t* out) {
     for (int64_t i = 0; i < n; ++i) out[i] = bf16 ? float_to_bf16(in[i]) : float_to_fp16(in[i]);
+}
+
+// TCA-BME encoding, pass 1: the bitmap (int64 [NBT]) and each GroupTile's count of stored
+// values (int64 [NGT]) of a dense [m, k] weight (16-bit patterns, row-major).
+int spinfer_tca_bme_count(const uint16_t* w, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w, uint64_t* bitmap,
+                          int64_t* counts, int threads) {
+    if (m < 1 || k < 1 || gt_h < 16 || gt_w < 16 || gt_h % 16 || gt_w % 16) return 2;
+    const Dense d{w, m, k, gt_h, gt_w};
+    const int64_t gk = (k + gt_w - 1) / gt_w, words_per_tile = gt_h * gt_w / 64;
+    parallel_rows((m + gt_h - 1) / gt_h, threads, [&](int64_t a, int64_t b) {
+        for (int64_t gr = a; gr < b; ++gr) {
+            for (int64_t gc = 0; gc < gk; ++gc) {
+                const int64_t g = gr * gk + gc;
+                counts[g] = encode_group_tile(d, gr, gc, bitmap + g * words_per_tile, nullptr);
+            }
+        }
+        return true;
+    });
+    return 0;
+}
+
+// Pass 2: every GroupTile's run into values[offsets[g] .. offsets[g + 1]), its stored values
+// followed by zeros (offsets from pass 1's counts, each rounded up to 8). Returns 0; 1 if a run
+// does not fit its offsets or the values (nothing of it is written then); 2 for bad arguments.
+int spinfer_tca_bme_pack(const uint16_t* w, int64_t m, int64_t k, int64_t gt_h, int64_t gt_w, const int32_t* offsets,
+                         uint16_t* values, int64_t n_values, int threads) {
+    if (m < 1 || k < 1 || gt_h < 16 || gt_w < 16 || gt_h % 16 || gt_w % 16 || n_values < 0) return 2;
+    const Dense d{w, m, k, gt_h, gt_w};
+    const int64_t gk = (k + gt_w - 1) / gt_w, words_per_tile = gt_h * gt_w / 64;
+    const bool ok = parallel_rows((m + gt_h - 1) / gt_h, threads, [&](int64_t a, int64_t b) {
+        std::vector<uint64_t> words(static_cast<size_t>(words_per_tile));
+        std::vector<uint16_t> run(static_cast<size_t>(gt_h * gt_w + 8));  // (a row's 16-byte store past the count)
+        for (int64_t gr = a; gr < b; ++gr) {
+            for (int64_t gc = 0; gc < gk; ++gc) {
+                const int64_t g = gr * gk + gc;
+                const int64_t count = encode_group_tile(d, gr, gc, words.data(), run.data());
+                const int64_t start = offsets[g], end = offsets[g + 1];
+                if (start < 0 || end > n_values || end - start < count) return false;
+                std::memcpy(values + start, run.data(), sizeof(uint16_t) * static_cast<size_t>(count));
+                std::memset(values + start + count, 0, sizeof(uint16_t) * static_cast<size_t>(end - start - count));
+            }
+        }
+        return true;
+    });
+    return ok ? 0 : 1;
 }
 
 }  // extern "C"

@@ -1,7 +1,7 @@
 """Build of the CUDA extension: torch.utils.cpp_extension + ninja, compiled on first use into
 a cache folder keyed by the sources, torch and CUDA versions, and reused after that.
 
-    python -m spinfer.build        # prebuild and report (the CPU decoder of spinfer/cpu_kernels.py too)
+    python -m spinfer.build        # prebuild and report (the CPU decoders of spinfer/cpu_kernels.py too)
 
 Set SPINFER_CACHE to choose the folder (default: ~/.cache/spinfer). A failed build raises
 RuntimeError carrying the compiler's message. The C++ compiler is torch's (CXX, else c++) unless
@@ -198,14 +198,14 @@ def load_extension(verbose: bool = False) -> None:
 
 
 def main() -> int:
-    from . import cpu_kernels  # (the CPU decoder: a library of its own, built the same way)
+    from . import cpu_kernels  # (the CPU decoders and encoder: a library of their own, built on first use)
 
     t0 = time.perf_counter()
     if cpu_kernels.library() is None:
-        print(f"spinfer.build: CPU decoder unavailable ({cpu_kernels.unavailable_reason()}); the CPU path uses the "
-              "torch-op reference")
+        print(f"spinfer.build: CPU decoders unavailable ({cpu_kernels.unavailable_reason()}); the CPU path uses the "
+              "torch-op references")
     else:
-        print(f"spinfer.build: CPU decoder ready in {cpu_kernels.library_path(cpu_kernels.compiler()).parent} "
+        print(f"spinfer.build: CPU decoders ready in {cpu_kernels.library_path(cpu_kernels.compiler()).parent} "
               f"({time.perf_counter() - t0:.1f} s)")
     t0 = time.perf_counter()
     try:

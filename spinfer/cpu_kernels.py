@@ -12,7 +12,8 @@ system's C++ compiler (``CXX``, else ``c++``) in about a second, into the cache 
 (``$SPINFER_CACHE`` or ``~/.cache/spinfer``), and reused after that. Where no compiler works the
 CPU path falls back to the torch-op reference decoders, with one warning that says why;
 ``SPINFER_CPU_KERNELS=0`` asks for the references. Both give the same bits (tests/test_cpu_kernels.py).
-``python -m spinfer.build`` builds it ahead and reports.
+``python -m spinfer.build`` builds it ahead and reports. The same library encodes TCA-BME on the
+CPU (:func:`tca_bme_encode`, which :func:`spinfer.format.tca_bme.encode` calls there).
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled decoders, built on first use; None where disabled or unbuildable (warned once)."""
+    """The compiled library, built on first use; None where disabled or unbuildable (warned once)."""
     global _lib, _failure
-    if _lib is not None or not enabled():
-        return _lib if enabled() else None
+    if not enabled():
+        return None
+    if _lib is not None:
+        return _lib
     with _lock:
         if _lib is not None or _failure is not None:
             return _lib

@@ -2,9 +2,9 @@
 
 The public wrapper :func:`spmm` checks its inputs (naming what is wrong) and flattens
 leading batch dimensions; the op itself takes a contiguous ``x [N, K]`` and the three
-TCA-BME arrays.  The CPU implementation is the reference: decode (compiled, spinfer/cpu_kernels.py),
-then multiply in fp32; the
-CUDA one is the SMBD kernel (spinfer/csrc), registered when the extension loads.
+TCA-BME arrays.  The CPU implementation is the reference: decode (with the compiled decoder of
+spinfer/cpu_kernels.py), then multiply in fp32; the CUDA one is the SMBD kernel (spinfer/csrc),
+registered when the extension loads.
 """
 
 from __future__ import annotations

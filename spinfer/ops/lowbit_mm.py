@@ -4,8 +4,8 @@
 CPU: the reference (dequantize, with the compiled dequantizer of spinfer/cpu_kernels.py; multiply
 in fp32). CUDA: for ``N <= fused_max_n(bits)`` the fused kernel (``spinfer::lowbit_mm_out``,
 spinfer/csrc/lowbit_mm.cuh), which dequantizes in registers straight into tensor-core fragments,
-once per token tile; above it, the weight is dequantized once (``spinfer::lowbit_to_dense``, one streaming kernel) and cuBLAS multiplies
-(docs/quant.md has the measured crossover).
+once per token tile; above it, the weight is dequantized once (``spinfer::lowbit_to_dense``, one
+streaming kernel) and cuBLAS multiplies (docs/quant.md has the measured crossover).
 """
 
 from __future__ import annotations

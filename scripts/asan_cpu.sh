@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU decoders (spinfer/csrc/cpu/decode.cpp) under AddressSanitizer: builds them with
+# The CPU codecs (spinfer/csrc/cpu/codec.cpp) under AddressSanitizer: builds them with
 # -fsanitize=address into a scratch cache and runs their tests and the corrupt-array fuzz tests,
 # so that an out-of-bounds read or write stops the run. (compute-sanitizer's counterpart for the
 # CPU code; needs gcc's libasan.)   scripts/asan_cpu.sh [pytest args]

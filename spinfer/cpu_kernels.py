@@ -1,4 +1,4 @@
-"""The compiled CPU decoders of compressed weights (``spinfer/csrc/cpu/decode.cpp``), loaded with
+"""The compiled CPU codecs of compressed weights (``spinfer/csrc/cpu/codec.cpp``), loaded with
 ctypes: TCA-BME (:func:`tca_bme_decode`, and its encoder :func:`tca_bme_encode`) and the low-bit
 format (:func:`lowbit_dequantize`).
 
@@ -34,7 +34,7 @@ import torch
 
 from .cache import cache_root
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "decode.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "codec.cpp"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 ABI_VERSION = 3  # spinfer_cpu_abi_version() of the source above
 
@@ -227,11 +227,12 @@ def lowbit_dequantize(qweight: torch.Tensor, scale_zero: torch.Tensor, bits: int
         raise ValueError(f"cannot dequantize {bits}-bit weights in groups of {group_size} over K = {k}")
     mb = -(-m // 64)
     if qweight.dtype != torch.int32 or scale_zero.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"qweight must be int32 and scale_zero fp16 or bf16, got {qweight.dtype} and {scale_zero.dtype}")
+        raise TypeError(f"qweight must be int32 and scale_zero fp16 or bf16, got {qweight.dtype} and "
+                        f"{scale_zero.dtype}")
     if (tuple(qweight.shape) != qweight_shape(m, k, bits)
             or tuple(scale_zero.shape) != (mb, k // group_size, 64, 2)):
-        raise ValueError(f"qweight {tuple(qweight.shape)} and scale_zero {tuple(scale_zero.shape)} do not fit a {m}x{k} "
-                         f"{bits}-bit weight in groups of {group_size}")
+        raise ValueError(f"qweight {tuple(qweight.shape)} and scale_zero {tuple(scale_zero.shape)} do not fit a "
+                         f"{m}x{k} {bits}-bit weight in groups of {group_size}")
     qweight, scale_zero = qweight.contiguous(), scale_zero.contiguous()
     out = torch.empty((m, k), dtype=scale_zero.dtype)
     rc = lib.spinfer_lowbit_dequantize(qweight.data_ptr(), scale_zero.data_ptr(), m, k, bits, group_size,

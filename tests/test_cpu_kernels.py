@@ -1,4 +1,4 @@
-"""The compiled CPU decoders and the TCA-BME encoder (spinfer/cpu_kernels.py, csrc/cpu/decode.cpp)
+"""The compiled CPU decoders and the TCA-BME encoder (spinfer/cpu_kernels.py, csrc/cpu/codec.cpp)
 against the torch-op references, bit for bit; their checks; and the fallback to the references."""
 
 import warnings
@@ -200,12 +200,12 @@ def test_a_failing_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_failure", None)
     monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    with pytest.warns(RuntimeWarning, match="CPU decoders are unavailable.*failed on decode.cpp"):
+    with pytest.warns(RuntimeWarning, match="CPU decoders are unavailable.*failed on codec.cpp"):
         assert cpu_kernels.library() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call says nothing
         assert cpu_kernels.library() is None
-    assert "failed on decode.cpp" in cpu_kernels.unavailable_reason()
+    assert "failed on codec.cpp" in cpu_kernels.unavailable_reason()
     w = random_sparse((40, 50), 0.5, torch.float16)
     assert torch.equal(bits(TCABME.from_dense(w).to_dense()), bits(w))
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))

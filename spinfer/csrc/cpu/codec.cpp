@@ -1,22 +1,22 @@
-// CPU decoders of spinfer's compressed weights (TCA-BME, and the low-bit format), loaded with
-// ctypes by spinfer/cpu_kernels.py.
+// CPU codecs of spinfer's compressed weights, loaded with ctypes by spinfer/cpu_kernels.py: the
+// TCA-BME decoder and encoder, and the low-bit dequantizer.
 //
 // Plain C++17 with a C interface and no torch headers: it compiles in about a second with the
 // system compiler, where a torch extension takes about a minute, and it runs beside any torch
 // build (CPU or CUDA). The Python side passes data pointers of contiguous tensors and checks
 // every size; this side still refuses a GroupTile whose run would read past `values`.
 //
-// Before them, the CPU path decoded with torch ops (spinfer/format/tca_bme.py: decode,
-// spinfer/quant/lowbit.py: dequantize): a 4096x4096 weight took ~170 ms at 50% sparsity and
-// ~160 ms at 4 bits on two cores, 70x F.linear's time at one token. Those decoders stay the
-// references the tests compare these with, bit for bit.
+// Before them, the CPU path used torch ops (spinfer/format/tca_bme.py: decode and
+// encode_reference, spinfer/quant/lowbit.py: dequantize): decoding a 4096x4096 weight took
+// ~170 ms at 50% sparsity and ~160 ms at 4 bits on two cores, 70x F.linear's time at one token.
+// Those stay the references the tests compare these with, bit for bit.
 //
-// TCA-BME. The unit of work is one row of a BitmapTile: a byte of its word, 8 adjacent elements of one
-// weight row, whose stored values are the next popcount(byte) entries of the run. Built with
-// SSSE3 (spinfer/cpu_kernels.py passes -mssse3 where the CPU has it), one PSHUFB from a 256-entry
-// table spreads them into their places (zeros elsewhere) and one 16-byte store writes the row,
-// so every element of the output is written once and nothing is cleared first; without it the
-// same happens element by element.
+// TCA-BME. The unit of work is one row of a BitmapTile: a byte of its word, 8 adjacent elements
+// of one weight row, whose stored values are the next popcount(byte) entries of the run. Built
+// with SSSE3 (spinfer/cpu_kernels.py passes -mssse3 where the CPU has it), one PSHUFB from a
+// 256-entry table spreads them into their places (zeros elsewhere) and one 16-byte store writes
+// the row, so every element of the output is written once and nothing is cleared first; without
+// it the same happens element by element. The encoder does the inverse with the inverse table.
 
 #include <algorithm>
 #include <array>

@@ -36,7 +36,7 @@ from .cache import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "codec.cpp"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-ABI_VERSION = 3  # spinfer_cpu_abi_version() of the source above
+ABI_VERSION = 4  # spinfer_cpu_abi_version() of the source above
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -111,6 +111,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.spinfer_tca_bme_count.restype = ctypes.c_int
     lib.spinfer_tca_bme_pack.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ctypes.c_int]
     lib.spinfer_tca_bme_pack.restype = ctypes.c_int
+    lib.spinfer_tca_bme_spmm.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64, ptr,
+                                         ctypes.c_int]
+    lib.spinfer_tca_bme_spmm.restype = ctypes.c_int
     lib.spinfer_round_floats.argtypes = [ptr, i64, ctypes.c_int, ptr]
     lib.spinfer_round_floats.restype = None
     return lib
@@ -159,6 +162,18 @@ def tca_bme_decode(bitmap: torch.Tensor, values: torch.Tensor, gtile_offset: tor
     lib = library()
     if lib is None or values.device.type != "cpu":
         return None
+    gt_h, gt_w = _check_tca_bme(bitmap, values, gtile_offset, m, k, group_tile)
+    bitmap, values, gtile_offset = bitmap.contiguous(), values.contiguous(), gtile_offset.contiguous()
+    out = torch.empty((m, k), dtype=values.dtype)
+    rc = lib.spinfer_tca_bme_decode(bitmap.data_ptr(), values.data_ptr(), values.numel(), gtile_offset.data_ptr(),
+                                    m, k, gt_h, gt_w, out.data_ptr(), _threads())
+    _raise_for(rc, m, k, gt_h, gt_w)
+    return out
+
+
+def _check_tca_bme(bitmap, values, gtile_offset, m: int, k: int, group_tile) -> Tuple[int, int]:
+    """The arrays' dtypes and sizes against an ``m x k`` weight (the C++ side reads exactly these
+    sizes); the GroupTile shape."""
     gt_h, gt_w = (int(v) for v in group_tile)
     gm, gk = -(-m // gt_h), -(-k // gt_w)
     if (bitmap.dtype != torch.int64 or gtile_offset.dtype != torch.int32
@@ -168,15 +183,35 @@ def tca_bme_decode(bitmap: torch.Tensor, values: torch.Tensor, gtile_offset: tor
     if bitmap.numel() != gm * gk * gt_h * gt_w // 64 or gtile_offset.numel() != gm * gk + 1:
         raise ValueError(f"TCA-BME arrays of {bitmap.numel()} bitmap words and {gtile_offset.numel()} offsets do not "
                          f"fit a {m}x{k} weight in {gt_h}x{gt_w} GroupTiles")
-    bitmap, values, gtile_offset = bitmap.contiguous(), values.contiguous(), gtile_offset.contiguous()
-    out = torch.empty((m, k), dtype=values.dtype)
-    rc = lib.spinfer_tca_bme_decode(bitmap.data_ptr(), values.data_ptr(), values.numel(), gtile_offset.data_ptr(),
-                                    m, k, gt_h, gt_w, out.data_ptr(), _threads())
+    return gt_h, gt_w
+
+
+def _raise_for(rc: int, m: int, k: int, gt_h: int, gt_w: int) -> None:
     if rc == 1:
         raise ValueError("a GroupTile's run reaches past the values array (corrupt gtile_offset or bitmap)")
     if rc != 0:
         raise ValueError(f"the CPU decoder refused a {m}x{k} weight in {gt_h}x{gt_w} GroupTiles (code {rc})")
-    return out
+
+
+def tca_bme_spmm(x: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor, gtile_offset: torch.Tensor, m: int,
+                 k: int, group_tile) -> Optional[torch.Tensor]:
+    """``x [N, k] @ W.T`` in float32 (``[N, m]``) straight from CPU TCA-BME arrays, without the
+    dense weight: each stored value times the tokens' x, summed in float32; None where the library
+    is unavailable. The arrays are checked as :func:`tca_bme_decode` checks them."""
+    lib = library()
+    if lib is None or values.device.type != "cpu":
+        return None
+    gt_h, gt_w = _check_tca_bme(bitmap, values, gtile_offset, m, k, group_tile)
+    kp = -(-k // gt_w) * gt_w
+    xf = torch.zeros((x.shape[0], kp), dtype=torch.float32)
+    xf[:, :k] = x
+    bitmap, values, gtile_offset = bitmap.contiguous(), values.contiguous(), gtile_offset.contiguous()
+    y = torch.empty((x.shape[0], m), dtype=torch.float32)
+    rc = lib.spinfer_tca_bme_spmm(bitmap.data_ptr(), values.data_ptr(), values.numel(), gtile_offset.data_ptr(), m, k,
+                                  gt_h, gt_w, int(values.dtype == torch.bfloat16), xf.data_ptr(), x.shape[0],
+                                  y.data_ptr(), _threads())
+    _raise_for(rc, m, k, gt_h, gt_w)
+    return y
 
 
 def tca_bme_encode(weight: torch.Tensor, group_tile) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -13,6 +13,9 @@ from spinfer.format.tca_bme import decode, encode, encode_reference
 from spinfer.quant import LowBitWeight
 from spinfer.quant.lowbit import dequantize, restore_k_order
 
+from spinfer.ops.spmm import CPU_DIRECT_MAX_N
+
+from .conftest import rel_err
 from .test_tca_bme import bits, random_sparse
 
 bits_of = bits  # (the low-bit tests' own `bits` is a bit width)
@@ -170,7 +173,7 @@ def test_layers_and_ops_use_the_compiled_decoder(lib, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "tca_bme_decode", counting)
     w = random_sparse((96, 160), 0.5, torch.float16)
     enc = TCABME.from_dense(w)
-    x = torch.randn(3, 160, dtype=torch.float16)
+    x = torch.randn(CPU_DIRECT_MAX_N + 1, 160, dtype=torch.float16)  # past the direct kernel's tokens
     assert torch.equal(bits(enc.to_dense()), bits(w))
     y = spinfer.spmm(x, enc)
     ref = (x.float() @ w.float().t()).to(x.dtype)
@@ -180,6 +183,68 @@ def test_layers_and_ops_use_the_compiled_decoder(lib, monkeypatch):
         assert layer.format == "tca-bme"
         layer(x)
     assert calls == [(96, 160)] * 4
+
+
+def float64_reference(x, w, bias=None):
+    y = x.double() @ w.double().t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (63, 65), (300, 1450), (4097, 1000)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.999])
+def test_a_few_tokens_multiply_straight_from_the_arrays(lib, monkeypatch, shape, sparsity, dtype):
+    calls = []
+    real = cpu_kernels.tca_bme_spmm
+    monkeypatch.setattr(cpu_kernels, "tca_bme_spmm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(cpu_kernels, "tca_bme_decode", lambda *a, **kw: pytest.fail("decoded"))
+    m, k = shape
+    w = random_sparse(shape, sparsity, dtype)
+    enc = TCABME.from_dense(w)
+    bias = torch.randn(m, dtype=dtype)
+    layer = spinfer.nn.SparseLinear(enc, bias)
+    for n in (1, 5, CPU_DIRECT_MAX_N):
+        x = torch.randn(n, k, dtype=dtype)
+        ref = float64_reference(x, w, bias)
+        for y in (spinfer.spmm(x, enc, bias), layer(x),
+                  torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, enc.max_run,
+                                         bias, 0, None)):
+            assert y.dtype == dtype and y.shape == (n, m)
+            # float32 sums, rounded once to the dtype: within that rounding of the exact product
+            assert rel_err(y, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+            assert torch.equal(bits(y), bits(spinfer.spmm(x, enc, bias)))  # every path the same kernel
+    assert calls and set(calls) == {1, 5, CPU_DIRECT_MAX_N}
+
+
+@pytest.mark.parametrize("group_tile", [(16, 16), (128, 64), (48, 80)])
+@pytest.mark.parametrize("pattern", ["one_dense_group_tile", "empty_rows", "one_dense_row"])
+def test_the_direct_kernel_on_other_group_tiles_and_patterns(lib, group_tile, pattern):
+    w = random_sparse((257, 200), 0.0, torch.float16)
+    mask = torch.zeros(w.shape, dtype=torch.bool)
+    if pattern == "one_dense_group_tile":
+        mask[64:128, 128:192] = True
+    elif pattern == "empty_rows":
+        mask[:] = True
+        mask[10:90] = False
+    else:
+        mask[130] = True
+    w = torch.where(mask, w, torch.zeros_like(w))
+    enc = TCABME.from_dense(w, group_tile=group_tile)
+    x = torch.randn(3, 200, dtype=torch.float16)
+    y = cpu_kernels.tca_bme_spmm(x, enc.bitmap, enc.values, enc.gtile_offset, 257, 200, group_tile)
+    ref = float64_reference(x, w)
+    assert y.dtype == torch.float32 and rel_err(y, ref) <= 1e-6
+    assert bool((y[:, ~mask.any(1)] == 0).all())  # empty rows sum to exactly zero
+
+
+def test_the_direct_kernel_refuses_a_run_past_the_values(lib):
+    w = random_sparse((128, 128), 0.5, torch.float16)
+    bitmap, values, offsets = encode(w)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="past the values"):
+        cpu_kernels.tca_bme_spmm(x, bitmap, values[: int(offsets[-2])], offsets, 128, 128, (64, 64))
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.tca_bme_spmm(x, bitmap[:-1], values, offsets, 128, 128, (64, 64))
 
 
 def test_without_the_library_the_reference_decodes(monkeypatch):
@@ -341,7 +406,11 @@ def test_the_portable_build_without_x86_extensions_gives_the_same_bits(lib, monk
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((300, 1450), 0.6, dtype)
         assert same_arrays(cpu_kernels.tca_bme_encode(w, (64, 64)), encode_reference(w))
-        assert torch.equal(bits_of(compiled(TCABME.from_dense(w))), bits_of(w))
+        enc = TCABME.from_dense(w)
+        assert torch.equal(bits_of(compiled(enc)), bits_of(w))
+        x = torch.randn(3, 1450, dtype=dtype)
+        y = cpu_kernels.tca_bme_spmm(x, enc.bitmap, enc.values, enc.gtile_offset, 300, 1450, (64, 64))
+        assert rel_err(y, float64_reference(x, w)) <= 1e-6
         for bits in (1, 4, 8):
             q = LowBitWeight.quantize(torch.randn(70, 1001, dtype=dtype), bits, None)
             assert torch.equal(bits_of(lowbit_compiled(q)), bits_of(lowbit_reference(q)))

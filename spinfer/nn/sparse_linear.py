@@ -10,12 +10,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import build, tuning
+from .. import build, cpu_kernels, tuning
 from ..format import TCABME
 from ..ops import lowbit_mm, spmm
 from ..ops.linear_input import direct_call_ok
 from ..ops.lowbit_mm import entry_args as lowbit_entry_args
 from ..ops.lowbit_mm import fused_max_n
+from ..ops.spmm import CPU_DIRECT_MAX_N
 from ..ops.spmm import entry_args as spmm_entry_args
 from ..quant import LowBitWeight
 from ..timing import least_of_rounds
@@ -344,7 +345,11 @@ class SparseLinear(nn.Module):
             return P.SPMM
         device, where = held.device, held.where
         if device.type != "cuda" and self.policy != "autotune":
-            return P.DECODE_DENSE  # on the CPU the op decodes anyway; skip its validation
+            # On the CPU, a few tokens multiply straight from the arrays (spinfer.spmm's compiled
+            # kernel), more decode the weight and run F.linear (docs/format.md).
+            if n <= CPU_DIRECT_MAX_N and cpu_kernels.library() is not None:
+                return P.SPMM
+            return P.DECODE_DENSE
         bucket = P.n_bucket(n)
         key = (where, bucket)
         choice = self._choices.get(key)

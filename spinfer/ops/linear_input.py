@@ -76,15 +76,16 @@ def needs_input_grad(x, bias) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
 
 
-def direct_call_ok(x, bias) -> bool:
+def direct_call_ok(x, bias, device_type: str = "cuda") -> bool:
     """Whether an eager call may run its CUDA kernel through the extension's Python entry points
     (``build.eager_module()``, spinfer/csrc/eager.h), past the dispatcher: x and bias plain tensors
     (no subclass to dispatch on), x on CUDA, no gradient for autograd to record, no torch.compile
     tracing, and no torch function or dispatch mode active (a mode sees the ops only through the
     dispatcher). The entry points make the CUDA ops' own checks of x, bias and the weight arrays.
     At batch 1 an eager decode step is bound by host time, and the dispatcher's matching of the
-    arguments to the schema is a large part of a call's (docs/policy.md)."""
-    return (type(x) is torch.Tensor and x.is_cuda and (bias is None or type(bias) is torch.Tensor)
+    arguments to the schema is a large part of a call's (docs/policy.md). ``device_type="cpu"``:
+    the same for spmm's compiled CPU kernel (ops/spmm.py: spmm_on_cpu)."""
+    return (type(x) is torch.Tensor and x.device.type == device_type and (bias is None or type(bias) is torch.Tensor)
             and not needs_input_grad(x, bias)
             and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
             and torch._C._len_torch_dispatch_stack() == 0)

@@ -2,9 +2,10 @@
 
 The public wrapper :func:`spmm` checks its inputs (naming what is wrong) and flattens
 leading batch dimensions; the op itself takes a contiguous ``x [N, K]`` and the three
-TCA-BME arrays.  The CPU implementation is the reference: decode (with the compiled decoder of
-spinfer/cpu_kernels.py), then multiply in fp32; the CUDA one is the SMBD kernel (spinfer/csrc),
-registered when the extension loads.
+TCA-BME arrays.  The CPU implementation is the reference, in fp32: for up to CPU_DIRECT_MAX_N
+tokens the compiled kernel of spinfer/cpu_kernels.py multiplies straight from the arrays, above
+that the compiled decoder decodes and torch multiplies; the CUDA one is the SMBD kernel
+(spinfer/csrc), registered when the extension loads.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .. import build, tuning
+from .. import build, cpu_kernels, tuning
 from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
 from .to_dense import decode_on_cpu
@@ -38,6 +39,9 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
     if max_run < longest:
         raise ValueError(f"max_run={max_run} is below the longest GroupTile run ({longest})")
     check_op_inputs(x, values, m, k, bias)
+    y = spmm_on_cpu(x, bitmap, values, gtile_offset, m, k, (gt_h, gt_w), bias)
+    if y is not None:
+        return y
     w = decode_on_cpu(bitmap, values, gtile_offset, m, k, (gt_h, gt_w))
     y = x.float() @ w.float().t()
     if bias is not None:
@@ -109,6 +113,28 @@ def _spmm_backward(ctx, grad):
 torch.library.register_autograd("spinfer::spmm", _spmm_backward, setup_context=_spmm_setup_context)
 
 
+# Tokens up to which the CPU multiplies straight from the TCA-BME arrays (cpu_kernels.tca_bme_spmm)
+# rather than decoding the weight and multiplying densely. 2-core development VM, 4096x4096 at 50%,
+# fp16, one process: N = 1 / 8 / 16 took 7.7 / 17.3 / 42.9 ms that way against 27.1 / 29.0 / 28.4
+# ms decoded then F.linear (docs/format.md).
+CPU_DIRECT_MAX_N = 8
+
+
+def spmm_on_cpu(x2: torch.Tensor, bitmap, values, gtile_offset, m: int, k: int, group_tile,
+                bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``x2 [N, K] @ W.T + bias`` in x's dtype by the compiled CPU kernel, summed in float32, for
+    ``N <= CPU_DIRECT_MAX_N`` on checked arrays; None where it does not apply (more tokens, or no
+    compiled library)."""
+    if not 0 < x2.shape[0] <= CPU_DIRECT_MAX_N:
+        return None
+    y = cpu_kernels.tca_bme_spmm(x2, bitmap, values, gtile_offset, m, k, group_tile)
+    if y is None:
+        return None
+    if bias is not None:
+        y += bias.float()
+    return y.to(x2.dtype)
+
+
 def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *,
          splits: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., K]`` and a TCA-BME weight ``W [M, K]``; like
@@ -126,6 +152,15 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
         if splits is None:
             splits = tuning.spmm_splits(weight, x.numel() // weight.shape[1], x.device)
         return build.eager_module().spmm(x, bias, *entry_args(weight, splits))
+    if isinstance(weight, TCABME) and direct_call_ok(x, bias, "cpu"):
+        # Eager on the CPU, nothing to differentiate, a few tokens: the compiled kernel on the arrays
+        # TCABME checked when it was built (the op would validate them in full every call, ~4 ms
+        # on 4096x4096; the kernel checks every run against the values array itself).
+        x2, lead = flatten_input(x, weight, TCABME, weight.values, bias)
+        y = spmm_on_cpu(x2, weight.bitmap, weight.values, weight.gtile_offset, *weight.shape, weight.group_tile,
+                        bias)
+        if y is not None:
+            return y.reshape(*lead, weight.shape[0])
     # The ops check x, bias and the arrays themselves (CUDA: check_and_prepare in bindings.cpp, the
     # same checks as check_op_inputs and check_structure; CPU: the reference, in full), so a CUDA
     # call makes them once.

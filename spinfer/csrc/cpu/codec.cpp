@@ -395,12 +395,100 @@ void dequantize_rows_of(const LowBit& w, int64_t row0, int64_t row1, uint16_t* o
     }
 }
 
+// ---- a TCA-BME weight times a few tokens, without the dense weight ----
+
+// Row-block partial products of y[N, M] = x[N, Kp] W^T: GroupTile rows [row0, row1), each into
+// per-(row, token) 4-wide float32 sums that are added up once at the end. A BitmapTile row's 8
+// values are spread as the decoder spreads them, widened to float32 and multiplied by the
+// token's 8 x values. x is float32 and zero-padded to Kp (a multiple of gt_w), so padding
+// columns read zeros; rows past m are summed and not stored.
+template <bool kBf16>
+bool spmm_rows(const TcaBme& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y) {
+    const int64_t m = w.m, k = w.k, gt_h = w.gt_h, gt_w = w.gt_w, n_values = w.n_values;
+    const int64_t gk = (k + gt_w - 1) / gt_w, kp = gk * gt_w;
+    const int64_t words_per_tile = gt_h * gt_w / 64;
+    std::vector<float> acc(static_cast<size_t>(gt_h * n * 4));
+    for (int64_t gr = row0; gr < row1; ++gr) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t gc = 0; gc < gk; ++gc) {
+            const int64_t g = gr * gk + gc;
+            const uint64_t* words = w.bitmap + g * words_per_tile;
+            const int64_t start = w.offsets[g];
+            int64_t stored = 0;
+            for (int64_t i = 0; i < words_per_tile; ++i) stored += __builtin_popcountll(words[i]);
+            if (start < 0 || start > n_values || stored > n_values - start) return false;
+            [[maybe_unused]] const bool loads_inside = start + stored + 8 <= n_values;
+            const uint16_t* v = w.values + start;
+            for (int64_t tr = 0; tr < gt_h / 16; ++tr) {
+                for (int64_t tc = 0; tc < gt_w / 16; ++tc) {
+                    for (int bt = 0; bt < 4; ++bt) {  // column-major: (0,0), (1,0), (0,1), (1,1)
+                        const uint64_t word = *words++;
+                        const int64_t r0 = tr * 16 + (bt & 1) * 8;  // in the GroupTile
+                        const int64_t c0 = gc * gt_w + tc * 16 + (bt >> 1) * 8;
+                        const uint64_t prefix = byte_prefix(word);
+                        for (int r = 0; r < 8; ++r) {
+                            const unsigned mask = static_cast<unsigned>(word >> (8 * r)) & 0xffu;
+                            if (mask == 0) continue;
+                            const uint16_t* rv = v + ((prefix >> (8 * r)) & 0xffu);
+                            float* a = acc.data() + (r0 + r) * n * 4;
+#if defined(__SSSE3__) && defined(__F16C__)
+                            if (loads_inside) {  // in registers: 8 values, widened, times each token's 8 x
+                                const __m128i run = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rv));
+                                const __m128i halves = _mm_shuffle_epi8(
+                                    run, _mm_load_si128(reinterpret_cast<const __m128i*>(kSpread[mask].data())));
+                                __m128 l, h;
+                                if constexpr (kBf16) {
+                                    l = _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), halves));
+                                    h = _mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), halves));
+                                } else {
+                                    l = _mm_cvtph_ps(halves);
+                                    h = _mm_cvtph_ps(_mm_srli_si128(halves, 8));
+                                }
+                                const float* xt = x + c0;
+                                for (int64_t t = 0; t < n; ++t, xt += kp) {
+                                    const __m128 sum = _mm_add_ps(_mm_mul_ps(l, _mm_loadu_ps(xt)),
+                                                                  _mm_mul_ps(h, _mm_loadu_ps(xt + 4)));
+                                    _mm_storeu_ps(a + 4 * t, _mm_add_ps(_mm_loadu_ps(a + 4 * t), sum));
+                                }
+                                continue;
+                            }
+#endif
+                            float lo[4], hi[4];
+                            {
+                                uint16_t row[8];
+                                spread_row_scalar(mask, rv, row);
+                                for (int c = 0; c < 4; ++c) {
+                                    lo[c] = kBf16 ? bf16_to_float(row[c]) : fp16_to_float(row[c]);
+                                    hi[c] = kBf16 ? bf16_to_float(row[c + 4]) : fp16_to_float(row[c + 4]);
+                                }
+                            }
+                            for (int64_t t = 0; t < n; ++t) {
+                                const float* xt = x + t * kp + c0;
+                                for (int c = 0; c < 4; ++c) a[t * 4 + c] += lo[c] * xt[c] + hi[c] * xt[c + 4];
+                            }
+                        }
+                        v += __builtin_popcountll(word);
+                    }
+                }
+            }
+        }
+        const int64_t rows = std::min(gt_h, m - gr * gt_h);
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t t = 0; t < n; ++t) {
+                const float* a = acc.data() + (r * n + t) * 4;
+                y[t * m + gr * gt_h + r] = (a[0] + a[1]) + (a[2] + a[3]);
+            }
+        }
+    }
+    return true;
+}
+
 }  // namespace
 
 extern "C" {
 
 // Version of this interface; spinfer/cpu_kernels.py refuses a library that reports another.
-int spinfer_cpu_abi_version() { return 3; }
+int spinfer_cpu_abi_version() { return 4; }
 
 // Dense [m, k] (row-major, the 16-bit patterns of the values' dtype) from TCA-BME arrays.
 // Returns 0; 1 if a GroupTile's run reaches past `values` (out is then incomplete); 2 for
@@ -486,6 +574,21 @@ int spinfer_tca_bme_pack(const uint16_t* w, int64_t m, int64_t k, int64_t gt_h, 
             }
         }
         return true;
+    });
+    return ok ? 0 : 1;
+}
+
+// y[n, m] (float32) = x[n, Kp] (float32, zero-padded to Kp = k rounded up to gt_w) times the
+// TCA-BME weight's transpose, in float32, without the dense weight; bf16 != 0 for bf16 values,
+// else fp16. Returns 0; 1 if a GroupTile's run reaches past `values` (y is then incomplete); 2
+// for arguments it cannot take.
+int spinfer_tca_bme_spmm(const uint64_t* bitmap, const uint16_t* values, int64_t n_values, const int32_t* offsets,
+                         int64_t m, int64_t k, int64_t gt_h, int64_t gt_w, int bf16, const float* x, int64_t n,
+                         float* y, int threads) {
+    if (m < 1 || k < 1 || n < 1 || gt_h < 16 || gt_w < 16 || gt_h % 16 || gt_w % 16 || n_values < 0) return 2;
+    const TcaBme w{bitmap, values, n_values, offsets, m, k, gt_h, gt_w};
+    const bool ok = parallel_rows((m + gt_h - 1) / gt_h, threads, [&](int64_t a, int64_t b) {
+        return bf16 ? spmm_rows<true>(w, x, n, a, b, y) : spmm_rows<false>(w, x, n, a, b, y);
     });
     return ok ? 0 : 1;
 }

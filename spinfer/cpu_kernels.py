@@ -36,7 +36,7 @@ from .cache import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "codec.cpp"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-ABI_VERSION = 4  # spinfer_cpu_abi_version() of the source above
+ABI_VERSION = 5  # spinfer_cpu_abi_version() of the source above
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -114,6 +114,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.spinfer_tca_bme_spmm.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64, ptr,
                                          ctypes.c_int]
     lib.spinfer_tca_bme_spmm.restype = ctypes.c_int
+    lib.spinfer_lowbit_spmm.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr, i64, ptr,
+                                        ctypes.c_int]
+    lib.spinfer_lowbit_spmm.restype = ctypes.c_int
     lib.spinfer_round_floats.argtypes = [ptr, i64, ctypes.c_int, ptr]
     lib.spinfer_round_floats.restype = None
     return lib
@@ -253,25 +256,51 @@ def lowbit_dequantize(qweight: torch.Tensor, scale_zero: torch.Tensor, bits: int
     """Dense ``[m, k]`` in ``scale_zero``'s dtype from a CPU low-bit weight's arrays, in the stored
     K order, bit-exact against :func:`spinfer.quant.lowbit.dequantize`; None where the library
     is unavailable. The arrays' dtypes and shapes are checked here, so no call reads outside them."""
-    from .quant.lowbit import qweight_shape  # (the quant package imports the ops, which import this)
-
     lib = library()
     if lib is None or qweight.device.type != "cpu":
         return None
-    if bits not in (1, 2, 4, 8) or group_size < 1 or k % group_size:
-        raise ValueError(f"cannot dequantize {bits}-bit weights in groups of {group_size} over K = {k}")
-    mb = -(-m // 64)
-    if qweight.dtype != torch.int32 or scale_zero.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"qweight must be int32 and scale_zero fp16 or bf16, got {qweight.dtype} and "
-                        f"{scale_zero.dtype}")
-    if (tuple(qweight.shape) != qweight_shape(m, k, bits)
-            or tuple(scale_zero.shape) != (mb, k // group_size, 64, 2)):
-        raise ValueError(f"qweight {tuple(qweight.shape)} and scale_zero {tuple(scale_zero.shape)} do not fit a "
-                         f"{m}x{k} {bits}-bit weight in groups of {group_size}")
-    qweight, scale_zero = qweight.contiguous(), scale_zero.contiguous()
+    qweight, scale_zero = _check_lowbit(qweight, scale_zero, bits, group_size, m, k)
     out = torch.empty((m, k), dtype=scale_zero.dtype)
     rc = lib.spinfer_lowbit_dequantize(qweight.data_ptr(), scale_zero.data_ptr(), m, k, bits, group_size,
                                        int(scale_zero.dtype == torch.bfloat16), out.data_ptr(), _threads())
     if rc != 0:
         raise ValueError(f"the CPU dequantizer refused a {m}x{k} {bits}-bit weight (code {rc})")
     return out
+
+
+def lowbit_spmm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, bits: int, group_size: int,
+                m: int, k: int) -> Optional[torch.Tensor]:
+    """``x [N, k] @ W.T`` in float32 (``[N, m]``, W in the stored K order) straight from a CPU
+    low-bit weight's arrays: each row dequantized chunk by chunk as the reference dequantizes it and
+    multiplied by the tokens' x, summed in float32, without the dense weight; None where the
+    library is unavailable. The arrays are checked as :func:`lowbit_dequantize` checks them."""
+    lib = library()
+    if lib is None or qweight.device.type != "cpu":
+        return None
+    qweight, scale_zero = _check_lowbit(qweight, scale_zero, bits, group_size, m, k)
+    xf = torch.zeros((x.shape[0], -(-k // 128) * 128), dtype=torch.float32)
+    xf[:, :k] = x
+    y = torch.empty((x.shape[0], m), dtype=torch.float32)
+    rc = lib.spinfer_lowbit_spmm(qweight.data_ptr(), scale_zero.data_ptr(), m, k, bits, group_size,
+                                 int(scale_zero.dtype == torch.bfloat16), xf.data_ptr(), x.shape[0], y.data_ptr(),
+                                 _threads())
+    if rc != 0:
+        raise ValueError(f"the CPU low-bit kernel refused a {m}x{k} {bits}-bit weight (code {rc})")
+    return y
+
+
+def _check_lowbit(qweight, scale_zero, bits: int, group_size: int, m: int, k: int):
+    """The arrays' dtypes and shapes against an ``m x k`` weight (the C++ side reads exactly these
+    sizes); the arrays, contiguous."""
+    from .quant.lowbit import qweight_shape  # (the quant package imports the ops, which import this)
+
+    if bits not in (1, 2, 4, 8) or group_size < 1 or k % group_size:
+        raise ValueError(f"cannot dequantize {bits}-bit weights in groups of {group_size} over K = {k}")
+    if qweight.dtype != torch.int32 or scale_zero.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"qweight must be int32 and scale_zero fp16 or bf16, got {qweight.dtype} and "
+                        f"{scale_zero.dtype}")
+    if (tuple(qweight.shape) != qweight_shape(m, k, bits)
+            or tuple(scale_zero.shape) != (-(-m // 64), k // group_size, 64, 2)):
+        raise ValueError(f"qweight {tuple(qweight.shape)} and scale_zero {tuple(scale_zero.shape)} do not fit a "
+                         f"{m}x{k} {bits}-bit weight in groups of {group_size}")
+    return qweight.contiguous(), scale_zero.contiguous()

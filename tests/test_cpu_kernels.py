@@ -13,6 +13,7 @@ from spinfer.format.tca_bme import decode, encode, encode_reference
 from spinfer.quant import LowBitWeight
 from spinfer.quant.lowbit import dequantize, restore_k_order
 
+from spinfer.ops.lowbit_mm import CPU_DIRECT_MAX_N as LOWBIT_CPU_DIRECT_MAX_N
 from spinfer.ops.spmm import CPU_DIRECT_MAX_N
 
 from .conftest import rel_err
@@ -367,6 +368,37 @@ def test_dequantizer_checks_sizes_and_dtypes(lib):
         cpu_kernels.lowbit_dequantize(q.qweight, q.scale_zero.float(), 4, 128, 64, 256)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, None])
+def test_a_few_tokens_multiply_straight_from_the_low_bit_arrays(lib, monkeypatch, bits, group_size, dtype):
+    monkeypatch.setattr(cpu_kernels, "lowbit_dequantize", lambda *a, **kw: pytest.fail("dequantized"))
+    for m, k in ((1, 256), (130, 1000 if group_size is None else 768)):
+        q = LowBitWeight.quantize(torch.randn(m, k, dtype=dtype), bits, group_size)
+        w = lowbit_reference(q)
+        bias = torch.randn(m, dtype=dtype)
+        layer = spinfer.nn.SparseLinear(q, bias)
+        for n in range(1, LOWBIT_CPU_DIRECT_MAX_N + 1):
+            x = torch.randn(n, k, dtype=dtype)
+            ref = float64_reference(x, w, bias)
+            y = spinfer.lowbit_mm(x, q, bias)
+            assert y.dtype == dtype and y.shape == (n, m)
+            assert rel_err(y, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+            assert torch.equal(bits_of(layer(x)), bits_of(y))
+            y32 = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, q.bits, q.group_size, m, k)
+            assert rel_err(y32, float64_reference(x, w)) <= 1e-6  # the weight's values are the reference's
+
+
+def test_the_low_bit_direct_kernel_takes_act_order(lib):
+    m, k, g = 70, 512, 64
+    q = LowBitWeight.quantize(torch.randn(m, k, dtype=torch.float16), 4, g)
+    q2 = LowBitWeight(q.qweight, q.scales, q.zeros, 4, g, (m, k), torch.randperm(k))
+    x = torch.randn(3, k, dtype=torch.float16)
+    assert rel_err(spinfer.lowbit_mm(x, q2), float64_reference(x, lowbit_reference(q2))) <= 1e-3
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, 4, g, m, 1024)
+
+
 def test_lowbit_layers_and_ops_use_the_compiled_dequantizer(lib, monkeypatch):
     calls = []
     real = cpu_kernels.lowbit_dequantize
@@ -377,7 +409,7 @@ def test_lowbit_layers_and_ops_use_the_compiled_dequantizer(lib, monkeypatch):
 
     monkeypatch.setattr(cpu_kernels, "lowbit_dequantize", counting)
     q = LowBitWeight.quantize(torch.randn(96, 256, dtype=torch.bfloat16), 4, 64)
-    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    x = torch.randn(LOWBIT_CPU_DIRECT_MAX_N + 1, 256, dtype=torch.bfloat16)  # past the direct kernel's tokens
     ref = (x.float() @ lowbit_reference(q).float().t()).to(x.dtype)
     assert torch.equal(bits_of(spinfer.lowbit_mm(x, q)), bits_of(ref))
     layer = spinfer.nn.SparseLinear(q, None)
@@ -411,9 +443,12 @@ def test_the_portable_build_without_x86_extensions_gives_the_same_bits(lib, monk
         x = torch.randn(3, 1450, dtype=dtype)
         y = cpu_kernels.tca_bme_spmm(x, enc.bitmap, enc.values, enc.gtile_offset, 300, 1450, (64, 64))
         assert rel_err(y, float64_reference(x, w)) <= 1e-6
+        x = torch.randn(3, 1001, dtype=dtype)
         for bits in (1, 4, 8):
             q = LowBitWeight.quantize(torch.randn(70, 1001, dtype=dtype), bits, None)
             assert torch.equal(bits_of(lowbit_compiled(q)), bits_of(lowbit_reference(q)))
+            y = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, bits, 1001, 70, 1001)
+            assert rel_err(y, float64_reference(x, lowbit_reference(q))) <= 1e-6
 
 
 def test_encoder_refuses_runs_that_do_not_fit_their_offsets(lib):

@@ -1,8 +1,8 @@
 """``spinfer::lowbit_mm``: ``y = x @ W.T + bias`` with ``W`` a weight-only low-bit
 :class:`~spinfer.quant.LowBitWeight`.
 
-CPU: the reference (dequantize, with the compiled dequantizer of spinfer/cpu_kernels.py; multiply
-in fp32). CUDA: for ``N <= fused_max_n(bits)`` the fused kernel (``spinfer::lowbit_mm_out``,
+CPU: the reference in fp32 (up to CPU_DIRECT_MAX_N tokens the compiled kernel of
+spinfer/cpu_kernels.py straight from the arrays; above, its dequantizer, then torch multiplies). CUDA: for ``N <= fused_max_n(bits)`` the fused kernel (``spinfer::lowbit_mm_out``,
 spinfer/csrc/lowbit_mm.cuh), which dequantizes in registers straight into tensor-core fragments,
 once per token tile; above it, the weight is dequantized once (``spinfer::lowbit_to_dense``, one
 streaming kernel) and cuBLAS multiplies (docs/quant.md has the measured crossover).
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import build, tuning
+from .. import build, cpu_kernels, tuning
 from ..quant.lowbit import ROW_BLOCK, LowBitWeight, check_bits
 from . import library  # noqa: F401  (defines the schemas)
 from .to_dense import dequantize_on_cpu
@@ -39,8 +39,23 @@ def fused_max_n(bits: int) -> int:
     return FUSED_MAX_N[check_bits(bits)]
 
 
+# Tokens up to which the CPU multiplies straight from the low-bit arrays (cpu_kernels.lowbit_spmm)
+# rather than dequantizing the weight and multiplying in float32. 2-core development VM, 4096x4096
+# in groups of 128, 2 / 4 / 8 bits, fp16 and bf16, two runs: N = 8 took 34-43 ms that way against
+# 56-79 ms dequantized; N = 16 51-65 against 53-82 (docs/quant.md).
+CPU_DIRECT_MAX_N = 16
+
+
 def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias):
     check_op_inputs(x, scale_zero, m, k, bias)
+    if 0 < x.shape[0] <= CPU_DIRECT_MAX_N:
+        # each stored column j is original column perm[j]: the kernel takes x's columns in that order
+        y = cpu_kernels.lowbit_spmm(x if perm is None else x.index_select(1, perm), qweight, scale_zero, bits,
+                                    group_size, m, k)
+        if y is not None:
+            if bias is not None:
+                y += bias.float()
+            return y.to(x.dtype)
     w = dequantize_on_cpu(qweight, scale_zero, bits, group_size, m, k, perm)
     y = x.float() @ w.float().t()
     if bias is not None:

@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__SSSE3__) || defined(__F16C__)
+#if defined(__SSE2__) || defined(__SSSE3__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -335,53 +335,111 @@ struct LowBit {
     bool bf16;
 };
 
-// Rows [row0, row1) of the dequantized weight into `out` ([m, k] in the scales' dtype):
-// ((q - zero) * scale) in float32, rounded once, as the reference computes it. A 128-column
-// chunk's values are unpacked into column order first, then converted group by group. (The
-// width is a template parameter: with a run-time width the divisions by 32 / bits were integer
-// divisions, and the kernel ran at about half this speed.)
+// Columns [c0, c0 + 128) of one row of the dequantized weight (those below k) into dst:
+// ((q - zero) * scale) in float32, rounded once, as the reference computes it. The chunk's values
+// are unpacked into column order first, then converted group by group. (The width is a template
+// parameter: with a run-time width the divisions by 32 / bits were integer divisions, and the
+// dequantizer ran at about half this speed.)
 template <int kBits, bool kBf16>
-void dequantize_rows(const LowBit& w, int64_t row0, int64_t row1, uint16_t* out) {
+void dequantize_chunk(const LowBit& w, int64_t row, int64_t c0, uint16_t* dst) {
     constexpr int kPerWord = 32 / kBits;
     constexpr uint32_t kMask = (1u << kBits) - 1;
     constexpr int64_t kStage = kBits == 8 ? 128 : 256, kStageWords = kStage * kBits / 32, kChunkWords = 4 * kBits;
     const int64_t k = w.k, group_size = w.group_size;
     const int64_t stages = (k + 255) / 256 * 256 / kStage, groups = k / group_size;
     const uint8_t* const index = kStreamIndex[__builtin_ctz(static_cast<unsigned>(kBits))].data();
-    alignas(64) float q[128];
-    for (int64_t row = row0; row < row1; ++row) {
-        const int64_t block = row / 64, r = row % 64;
-        const uint16_t* const pairs = w.scale_zero + (block * groups * 64 + r) * 2;  // group g at + 128 g
-        uint16_t* const dst = out + row * k;
-        for (int64_t c0 = 0; c0 < k; c0 += 128) {
-            const uint32_t* words = w.qweight + ((block * stages + c0 / kStage) * 64 + r) * kStageWords +
-                                    (c0 % kStage) / 128 * kChunkWords;
-            for (int c = 0; c < 128; ++c) {
-                const int j = index[c];
-                q[c] = static_cast<float>((words[j / kPerWord] >> (kBits * (j % kPerWord))) & kMask);
-            }
-            const int64_t end = std::min<int64_t>(128, k - c0);
-            for (int64_t c = 0; c < end;) {  // one group's segment at a time
-                const int64_t g = (c0 + c) / group_size;
-                const int64_t seg_end = std::min<int64_t>(end, (g + 1) * group_size - c0);
-                const uint16_t* pair = pairs + g * 128;
-                const float scale = kBf16 ? bf16_to_float(pair[0]) : fp16_to_float(pair[0]);
-                const float zero = kBf16 ? bf16_to_float(pair[1]) : fp16_to_float(pair[1]);
+    const int64_t block = row / 64, r = row % 64;
+    const uint16_t* const pairs = w.scale_zero + (block * groups * 64 + r) * 2;  // group g at + 128 g
+    const uint32_t* words = w.qweight + ((block * stages + c0 / kStage) * 64 + r) * kStageWords +
+                            (c0 % kStage) / 128 * kChunkWords;
+    alignas(16) float q[128];
+    for (int c = 0; c < 128; ++c) {
+        const int j = index[c];
+        q[c] = static_cast<float>((words[j / kPerWord] >> (kBits * (j % kPerWord))) & kMask);
+    }
+    const int64_t end = std::min<int64_t>(128, k - c0);
+    for (int64_t c = 0; c < end;) {  // one group's segment at a time
+        const int64_t g = (c0 + c) / group_size;
+        const int64_t seg_end = std::min<int64_t>(end, (g + 1) * group_size - c0);
+        const uint16_t* pair = pairs + g * 128;
+        const float scale = kBf16 ? bf16_to_float(pair[0]) : fp16_to_float(pair[0]);
+        const float zero = kBf16 ? bf16_to_float(pair[1]) : fp16_to_float(pair[1]);
 #ifdef __F16C__
-                if constexpr (!kBf16) {  // 4 at a time through the hardware's conversion (also RNE)
-                    const __m128 zv = _mm_set1_ps(zero), sv = _mm_set1_ps(scale);
-                    for (; c + 4 <= seg_end; c += 4) {
-                        const __m128 v = _mm_mul_ps(_mm_sub_ps(_mm_load_ps(q + c), zv), sv);
-                        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + c0 + c),
-                                         _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                    }
-                }
-#endif
-                for (; c < seg_end; ++c) {
-                    const float v = (q[c] - zero) * scale;
-                    dst[c0 + c] = kBf16 ? float_to_bf16(v) : float_to_fp16(v);
-                }
+        if constexpr (!kBf16) {  // 4 at a time through the hardware's conversion (also RNE)
+            const __m128 zv = _mm_set1_ps(zero), sv = _mm_set1_ps(scale);
+            for (; c + 4 <= seg_end; c += 4) {
+                const __m128 v = _mm_mul_ps(_mm_sub_ps(_mm_load_ps(q + c), zv), sv);
+                _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + c),
+                                 _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             }
+        }
+#endif
+        for (; c < seg_end; ++c) {
+            const float v = (q[c] - zero) * scale;
+            dst[c] = kBf16 ? float_to_bf16(v) : float_to_fp16(v);
+        }
+    }
+}
+
+// Rows [row0, row1) of the dequantized weight into `out` ([m, k] in the scales' dtype).
+template <int kBits, bool kBf16>
+void dequantize_rows(const LowBit& w, int64_t row0, int64_t row1, uint16_t* out) {
+    for (int64_t row = row0; row < row1; ++row) {
+        for (int64_t c0 = 0; c0 < w.k; c0 += 128) dequantize_chunk<kBits, kBf16>(w, row, c0, out + row * w.k + c0);
+    }
+}
+
+// Rows [row0, row1) of y[N, M] = x[N, Kp] W^T in float32, straight from the low-bit arrays: each
+// 128-column chunk of a row dequantized as the reference dequantizes it (so the weight's values
+// are the reference's), widened to float32 and multiplied by each token's x into 4-wide sums.
+// x is float32, zero-padded to Kp (k rounded up to 128).
+template <int kBits, bool kBf16>
+void lowbit_spmm_rows(const LowBit& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y) {
+    const int64_t k = w.k, kp = (k + 127) / 128 * 128;
+    alignas(16) uint16_t chunk[128];
+    alignas(16) float wf[128];
+    std::vector<float> acc(static_cast<size_t>(n * 16));  // per token 4 sums of 4: independent adds
+    for (int64_t row = row0; row < row1; ++row) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t c0 = 0; c0 < k; c0 += 128) {
+            std::fill(chunk, chunk + 128, uint16_t(0));  // columns past k: zero weights (x is zero there too)
+            dequantize_chunk<kBits, kBf16>(w, row, c0, chunk);
+#ifdef __F16C__
+            if constexpr (!kBf16) {
+                for (int c = 0; c < 128; c += 4) {
+                    _mm_store_ps(wf + c, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + c))));
+                }
+            } else
+#endif
+            {
+                for (int c = 0; c < 128; ++c) wf[c] = kBf16 ? bf16_to_float(chunk[c]) : fp16_to_float(chunk[c]);
+            }
+            for (int64_t t = 0; t < n; ++t) {
+                const float* xt = x + t * kp + c0;
+                float* a = acc.data() + 16 * t;
+#ifdef __SSE2__
+                __m128 s0 = _mm_loadu_ps(a), s1 = _mm_loadu_ps(a + 4), s2 = _mm_loadu_ps(a + 8),
+                       s3 = _mm_loadu_ps(a + 12);
+                for (int c = 0; c < 128; c += 16) {
+                    s0 = _mm_add_ps(s0, _mm_mul_ps(_mm_load_ps(wf + c), _mm_loadu_ps(xt + c)));
+                    s1 = _mm_add_ps(s1, _mm_mul_ps(_mm_load_ps(wf + c + 4), _mm_loadu_ps(xt + c + 4)));
+                    s2 = _mm_add_ps(s2, _mm_mul_ps(_mm_load_ps(wf + c + 8), _mm_loadu_ps(xt + c + 8)));
+                    s3 = _mm_add_ps(s3, _mm_mul_ps(_mm_load_ps(wf + c + 12), _mm_loadu_ps(xt + c + 12)));
+                }
+                _mm_storeu_ps(a, s0);
+                _mm_storeu_ps(a + 4, s1);
+                _mm_storeu_ps(a + 8, s2);
+                _mm_storeu_ps(a + 12, s3);
+#else
+                for (int c = 0; c < 128; ++c) a[c % 16] += wf[c] * xt[c];
+#endif
+            }
+        }
+        for (int64_t t = 0; t < n; ++t) {
+            const float* a = acc.data() + 16 * t;
+            float sum = 0.0f;
+            for (int i = 0; i < 16; ++i) sum += a[i];
+            y[t * w.m + row] = sum;
         }
     }
 }
@@ -392,6 +450,15 @@ void dequantize_rows_of(const LowBit& w, int64_t row0, int64_t row1, uint16_t* o
         dequantize_rows<kBits, true>(w, row0, row1, out);
     } else {
         dequantize_rows<kBits, false>(w, row0, row1, out);
+    }
+}
+
+template <int kBits>
+void lowbit_spmm_rows_of(const LowBit& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y) {
+    if (w.bf16) {
+        lowbit_spmm_rows<kBits, true>(w, x, n, row0, row1, y);
+    } else {
+        lowbit_spmm_rows<kBits, false>(w, x, n, row0, row1, y);
     }
 }
 
@@ -488,7 +555,7 @@ bool spmm_rows(const TcaBme& w, const float* x, int64_t n, int64_t row0, int64_t
 extern "C" {
 
 // Version of this interface; spinfer/cpu_kernels.py refuses a library that reports another.
-int spinfer_cpu_abi_version() { return 4; }
+int spinfer_cpu_abi_version() { return 5; }
 
 // Dense [m, k] (row-major, the 16-bit patterns of the values' dtype) from TCA-BME arrays.
 // Returns 0; 1 if a GroupTile's run reaches past `values` (out is then incomplete); 2 for
@@ -591,6 +658,28 @@ int spinfer_tca_bme_spmm(const uint64_t* bitmap, const uint16_t* values, int64_t
         return bf16 ? spmm_rows<true>(w, x, n, a, b, y) : spmm_rows<false>(w, x, n, a, b, y);
     });
     return ok ? 0 : 1;
+}
+
+// y[n, m] (float32) = x[n, Kp] (float32, zero-padded to Kp = k rounded up to 128) times the
+// low-bit weight's transpose (stored K order), without the dense weight; arguments as
+// spinfer_lowbit_dequantize's. Returns 0, or 2 for arguments it cannot take.
+int spinfer_lowbit_spmm(const uint32_t* qweight, const uint16_t* scale_zero, int64_t m, int64_t k, int bits,
+                        int64_t group_size, int bf16, const float* x, int64_t n, float* y, int threads) {
+    if (m < 1 || k < 1 || n < 1 || group_size < 1 || k % group_size ||
+        (bits != 1 && bits != 2 && bits != 4 && bits != 8))
+        return 2;
+    const LowBit w{qweight, scale_zero, m, k, group_size, bits, bf16 != 0};
+    parallel_rows((m + 63) / 64, threads, [&](int64_t a, int64_t b) {
+        const int64_t r0 = a * 64, r1 = std::min(m, b * 64);
+        switch (bits) {
+            case 1: lowbit_spmm_rows_of<1>(w, x, n, r0, r1, y); break;
+            case 2: lowbit_spmm_rows_of<2>(w, x, n, r0, r1, y); break;
+            case 4: lowbit_spmm_rows_of<4>(w, x, n, r0, r1, y); break;
+            default: lowbit_spmm_rows_of<8>(w, x, n, r0, r1, y); break;
+        }
+        return true;
+    });
+    return 0;
 }
 
 }  // extern "C"

@@ -90,12 +90,11 @@ def test_decoder_keeps_signed_zeros_nan_and_infinities(lib):
     assert torch.equal(bits(compiled(enc)), bits(w))
 
 
-@pytest.mark.parametrize("pattern", ["one_dense_group_tile", "empty_rows", "dense_first_column", "one_dense_row",
-                                     "checkerboard"])
-def test_encoder_and_decoder_on_adversarial_patterns(lib, pattern):
-    w = random_sparse((257, 200), 0.0, torch.bfloat16)
+def adversarial(pattern: str, dtype) -> torch.Tensor:
+    """A 257x200 weight whose nonzeros follow ``pattern``, fresh random values where they stand."""
+    w = random_sparse((257, 200), 0.0, dtype)
     mask = torch.zeros(w.shape, dtype=torch.bool)
-    if pattern == "one_dense_group_tile":
+    if pattern == "one_dense_group_tile":  # among empty ones
         mask[64:128, 128:192] = True
     elif pattern == "empty_rows":
         mask[:] = True
@@ -105,10 +104,16 @@ def test_encoder_and_decoder_on_adversarial_patterns(lib, pattern):
         mask[:, 0] = True
     elif pattern == "one_dense_row":
         mask[130] = True
-    else:
+    else:  # checkerboard
         mask[::2, ::2] = True
         mask[1::2, 1::2] = True
-    w = torch.where(mask, w, torch.zeros_like(w))
+    return torch.where(mask, w, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("pattern", ["one_dense_group_tile", "empty_rows", "dense_first_column", "one_dense_row",
+                                     "checkerboard"])
+def test_encoder_and_decoder_on_adversarial_patterns(lib, pattern):
+    w = adversarial(pattern, torch.bfloat16)
     enc = TCABME.from_dense(w)
     assert same_arrays((enc.bitmap, enc.values, enc.gtile_offset), encode_reference(w))
     assert torch.equal(bits(compiled(enc)), bits(w))
@@ -230,16 +235,8 @@ def test_a_few_tokens_multiply_straight_from_the_arrays(lib, monkeypatch, shape,
 @pytest.mark.parametrize("group_tile", [(16, 16), (128, 64), (48, 80)])
 @pytest.mark.parametrize("pattern", ["one_dense_group_tile", "empty_rows", "one_dense_row"])
 def test_the_direct_kernel_on_other_group_tiles_and_patterns(lib, group_tile, pattern):
-    w = random_sparse((257, 200), 0.0, torch.float16)
-    mask = torch.zeros(w.shape, dtype=torch.bool)
-    if pattern == "one_dense_group_tile":
-        mask[64:128, 128:192] = True
-    elif pattern == "empty_rows":
-        mask[:] = True
-        mask[10:90] = False
-    else:
-        mask[130] = True
-    w = torch.where(mask, w, torch.zeros_like(w))
+    w = adversarial(pattern, torch.float16)
+    mask = w != 0
     enc = TCABME.from_dense(w, group_tile=group_tile)
     x = torch.randn(3, 200, dtype=torch.float16)
     y = cpu_kernels.tca_bme_spmm(x, enc.bitmap, enc.values, enc.gtile_offset, 257, 200, group_tile)

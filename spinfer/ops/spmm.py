@@ -152,7 +152,8 @@ def spmm(x: torch.Tensor, weight: TCABME, bias: Optional[torch.Tensor] = None, *
         if splits is None:
             splits = tuning.spmm_splits(weight, x.numel() // weight.shape[1], x.device)
         return build.eager_module().spmm(x, bias, *entry_args(weight, splits))
-    if isinstance(weight, TCABME) and direct_call_ok(x, bias, "cpu"):
+    if (isinstance(weight, TCABME) and direct_call_ok(x, bias, "cpu") and x.dim() > 0 and x.shape[-1] == weight.shape[1]
+            and 0 < x.numel() // weight.shape[1] <= CPU_DIRECT_MAX_N):
         # Eager on the CPU, nothing to differentiate, a few tokens: the compiled kernel on the arrays
         # TCABME checked when it was built (the op would validate them in full every call, ~4 ms
         # on 4096x4096; the kernel checks every run against the values array itself).

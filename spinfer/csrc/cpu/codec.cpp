@@ -67,6 +67,21 @@ struct TcaBme {
     int64_t m, k, gt_h, gt_w;
 };
 
+// GroupTile g's run: its first value (*v) and whether every 8-value load of its BitmapTile rows
+// stays inside the values array (*loads_inside). False where the run, as long as its bitmap's
+// PopCount, would reach past the array (or start outside it).
+inline bool group_tile_run(const TcaBme& w, int64_t g, const uint16_t** v, bool* loads_inside) {
+    const int64_t words_per_tile = w.gt_h * w.gt_w / 64;
+    const uint64_t* words = w.bitmap + g * words_per_tile;
+    const int64_t start = w.offsets[g];
+    int64_t stored = 0;
+    for (int64_t i = 0; i < words_per_tile; ++i) stored += __builtin_popcountll(words[i]);
+    if (start < 0 || start > w.n_values || stored > w.n_values - start) return false;
+    *v = w.values + start;
+    *loads_inside = start + stored + 8 <= w.n_values;
+    return true;
+}
+
 // Row r of a BitmapTile: the 8 elements of `mask` (its byte r) from the values at v. With
 // `simd`, one 16-byte load, shuffle and store, for a row inside the weight whose 8-value load
 // stays inside the values array; otherwise element by element, writing `cols` (<= 8) of them.
@@ -119,19 +134,16 @@ inline void spread_tile(uint64_t word, const uint16_t* v, uint16_t* dst, int64_t
 // values of 8 BitmapTiles were read in turn, and the pointers lived in memory.)
 bool decode_rows(const TcaBme& w, int64_t row0, int64_t row1, uint16_t* out) {
     // (locals: the vector stores may alias anything, and would make the compiler reload fields)
-    const int64_t m = w.m, k = w.k, gt_h = w.gt_h, gt_w = w.gt_w, n_values = w.n_values;
+    const int64_t m = w.m, k = w.k, gt_h = w.gt_h, gt_w = w.gt_w;
     const int64_t gk = (k + gt_w - 1) / gt_w;
     const int64_t words_per_tile = gt_h * gt_w / 64;
     for (int64_t gr = row0; gr < row1; ++gr) {
         for (int64_t gc = 0; gc < gk; ++gc) {
             const int64_t g = gr * gk + gc;
             const uint64_t* words = w.bitmap + g * words_per_tile;
-            const int64_t start = w.offsets[g];
-            int64_t stored = 0;
-            for (int64_t i = 0; i < words_per_tile; ++i) stored += __builtin_popcountll(words[i]);
-            if (start < 0 || start > n_values || stored > n_values - start) return false;
-            const bool loads_inside = start + stored + 8 <= n_values;
-            const uint16_t* v = w.values + start;
+            const uint16_t* v;
+            bool loads_inside;
+            if (!group_tile_run(w, g, &v, &loads_inside)) return false;
             for (int64_t tr = 0; tr < gt_h / 16; ++tr) {
                 for (int64_t tc = 0; tc < gt_w / 16; ++tc) {
                     // a TCTile's four BitmapTiles in column-major order: (0,0), (1,0), (0,1), (1,1)
@@ -471,7 +483,7 @@ void lowbit_spmm_rows_of(const LowBit& w, const float* x, int64_t n, int64_t row
 // columns read zeros; rows past m are summed and not stored.
 template <bool kBf16>
 bool spmm_rows(const TcaBme& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y) {
-    const int64_t m = w.m, k = w.k, gt_h = w.gt_h, gt_w = w.gt_w, n_values = w.n_values;
+    const int64_t m = w.m, k = w.k, gt_h = w.gt_h, gt_w = w.gt_w;
     const int64_t gk = (k + gt_w - 1) / gt_w, kp = gk * gt_w;
     const int64_t words_per_tile = gt_h * gt_w / 64;
     std::vector<float> acc(static_cast<size_t>(gt_h * n * 4));
@@ -480,12 +492,9 @@ bool spmm_rows(const TcaBme& w, const float* x, int64_t n, int64_t row0, int64_t
         for (int64_t gc = 0; gc < gk; ++gc) {
             const int64_t g = gr * gk + gc;
             const uint64_t* words = w.bitmap + g * words_per_tile;
-            const int64_t start = w.offsets[g];
-            int64_t stored = 0;
-            for (int64_t i = 0; i < words_per_tile; ++i) stored += __builtin_popcountll(words[i]);
-            if (start < 0 || start > n_values || stored > n_values - start) return false;
-            [[maybe_unused]] const bool loads_inside = start + stored + 8 <= n_values;
-            const uint16_t* v = w.values + start;
+            const uint16_t* v;
+            [[maybe_unused]] bool loads_inside;
+            if (!group_tile_run(w, g, &v, &loads_inside)) return false;
             for (int64_t tr = 0; tr < gt_h / 16; ++tr) {
                 for (int64_t tc = 0; tc < gt_w / 16; ++tc) {
                     for (int bt = 0; bt < 4; ++bt) {  // column-major: (0,0), (1,0), (0,1), (1,1)

@@ -6,15 +6,17 @@ runs of one build, as much as the effects measured (docs/quant.md, thirty-sevent
 
     python benchmarks/ab_e2e.py --variants w4,w2g64 --configs auto,LOWBIT_RING=0,LOWBIT_RING=2 \\
         [--dims 8192,28672,64,8] [--batch 1] [--layers 4] [--steps 64] [--rounds 7] \\
-        [--glues fused,pdl,pdl-sdpa] [--profile [--dump kernels.json]] [--soak 4]
+        [--glues fused,pdl,pdl-sdpa] [--profile [--positions] [--dump kernels.json]] [--soak 4]
 
 Prints each graph's tokens/s (the best and the median round) and its ratio to dense captured with
-the same glue (--glues: every graph, dense included, once per glue mode of e2e.py; "pdl-sdpa" is
-the pdl glue with torch's index_copy_, SDPA and mask for the attention step instead of its Triton
-kernel, pdl_glue.decode_attention). A config item NODES=P sets the preferred shared-memory carveout
+the same glue (--glues: every graph, dense included, once per glue mode of e2e.py, by default the
+one `spinfer bench e2e` takes; "pdl-sdpa" is the pdl glue with torch's index_copy_, SDPA and mask
+for the attention step instead of its Triton kernel, pdl_glue.decode_attention). A config item NODES=P sets the preferred shared-memory carveout
 P (percent) on every kernel node of the captured graph, torch's included, before it is
 instantiated (the driver API through ctypes). --profile
 lists each graph's kernels with their durations and the idle gaps before them (torch.profiler);
+--positions also puts the graphs side by side, kernel by kernel in step order (where a kernel name's
+mean hides which layer moved);
 --soak replays each graph for a while, printing wall-clock times to line up with a clock log
 (nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50).
 """
@@ -92,6 +94,32 @@ def kernel_table(graph, pos, steps=8, dump=None):
     return "\n".join(out)
 
 
+def position_table(dumps):
+    """The graphs side by side, one row per kernel of the step in launch order: its name, mean
+    duration and mean gap before it (us) over the profiled steps. `dumps`: label -> [(name, start,
+    end), ...] of whole steps (kernel_table's dump). Under programmatic dependent launch a kernel
+    starts before the one ahead of it ends: its duration then includes that wait, and its gap is
+    negative."""
+    tables = {}
+    for label, runs in dumps.items():
+        names = [r[0] for r in runs]
+        n = len(runs)
+        step = next(p for p in range(1, n + 1) if n % p == 0 and all(names[i] == names[i % p] for i in range(n)))
+        rows = []
+        for pos in range(step):
+            durs = [runs[i][2] - runs[i][1] for i in range(pos, n, step)]
+            gaps = [runs[i][1] - runs[i - 1][2] for i in range(pos or step, n, step)]  # none before the first launch
+            short = names[pos].split("(")[0].split("<")[0][-20:]
+            rows.append((short, statistics.mean(durs), statistics.mean(gaps) if gaps else 0.0))
+        tables[label] = rows
+    out = ["pos  " + "  ".join(f"{label[:34]:>34}" for label in tables)]
+    for pos in range(max(len(t) for t in tables.values())):
+        cells = [f"{t[pos][0]:>20} {t[pos][1]:6.2f} {t[pos][2]:6.2f}" if pos < len(t) else " " * 34
+                 for t in tables.values()]
+        out.append(f"{pos:>3}  " + "  ".join(cells))
+    return "\n".join(out)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="w4")
@@ -101,8 +129,12 @@ def main():
     p.add_argument("--dims", default="4096,14336,32,8", help="hidden, MLP, heads, KV heads (Llama-70B: 8192,28672,64,8)")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--glues", default="fused", help=f"glue modes of e2e.py, each with its own graphs ({', '.join(e2e.GLUES)})")
+    p.add_argument("--glues", default=None,
+                   help=f"glue modes of e2e.py, each with its own graphs ({', '.join(e2e.GLUES)}); default: the one "
+                        f"`spinfer bench e2e` takes (pdl with Triton on sm_90+, else fused)")
     p.add_argument("--profile", action="store_true", help="also each graph's kernels, durations and gaps")
+    p.add_argument("--positions", action="store_true",
+                   help="with --profile: also every graph side by side, kernel by kernel in step order")
     p.add_argument("--dump", default="", help="with --profile: every kernel's name, start and end to this JSON")
     p.add_argument("--soak", type=float, default=0.0,
                    help="then replay each graph for this many seconds, printing wall-clock start and end (to "
@@ -116,7 +148,9 @@ def main():
     x = torch.randn(a.batch, 1, hidden, device=dev, dtype=torch.float16)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     settle_graph_launches(dev)  # every figure in the state a process with many graphs is in
-    glues = a.glues.split(",")
+    # The benchmark's own default: an A/B under the fused glue missed a 5% loss that only the pdl
+    # glue's early launches showed (docs/kernels.md, sixty-seventh session).
+    glues = (a.glues or ("pdl" if e2e.pdl_glue.available(dev) else "fused")).split(",")
     for glue in glues:
         mode = "pdl" if glue == "pdl-sdpa" else glue
         if mode not in e2e.GLUES or (mode == "pdl" and not e2e.pdl_glue.available(dev)):
@@ -179,6 +213,8 @@ def main():
         for label, g in graphs.items():
             dumps[label] = []
             print(f"\n== {label}\n{kernel_table(g, pos, dump=dumps[label])}")
+        if a.positions:
+            print("\n" + position_table({label: runs[0] for label, runs in dumps.items()}))
         if a.dump:
             with open(a.dump, "w") as f:
                 json.dump(dumps, f)

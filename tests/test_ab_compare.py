@@ -45,3 +45,18 @@ def test_every_configuration_runs_once_per_round(monkeypatch, rounds):
     cases = [("c", lambda: True, lambda: runs.append(os.environ.get("SPINFER_X", "auto")))]
     ab_spmm.compare(["auto", "X=1", "X=2"], cases, torch.device("cpu"), rounds=rounds)
     assert sorted(runs) == sorted(["auto", "1", "2"] * rounds)
+
+
+def test_position_table_lines_up_the_steps_kernel_by_kernel():
+    import ab_e2e  # imports spinfer.bench.e2e, which needs no GPU to import
+
+    # two steps of three kernels (name, start, end in us); the second graph's middle kernel starts
+    # 1 us before the one ahead of it ends (programmatic dependent launch)
+    a = [("norm", 0, 2), ("gemm<1>(x)", 3, 13), ("silu", 14, 15), ("norm", 16, 18), ("gemm<1>(x)", 19, 31),
+         ("silu", 32, 33)]
+    b = [("norm", 0, 2), ("spmm", 1, 9), ("silu", 10, 11), ("norm", 12, 14), ("spmm", 13, 23), ("silu", 24, 25)]
+    header, *rows = ab_e2e.position_table({"dense": a, "sparse": b}).splitlines()
+    assert header.split() == ["pos", "dense", "sparse"]
+    assert len(rows) == 3  # one per kernel of the step, not per launch
+    assert rows[1].split() == ["1", "gemm", "11.00", "1.00", "spmm", "9.00", "-1.00"]
+    assert rows[0].split() == ["0", "norm", "2.00", "1.00", "norm", "2.00", "1.00"]  # its gap: the step before

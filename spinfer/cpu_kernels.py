@@ -36,7 +36,7 @@ from .cache import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "codec.cpp"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-ABI_VERSION = 5  # spinfer_cpu_abi_version() of the source above
+ABI_VERSION = 6  # spinfer_cpu_abi_version() of the source above
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -67,12 +67,14 @@ def flags() -> list:
     """The compiler flags: on x86, SSSE3's shuffle, the POPCNT instruction and F16C's float-to-half
     conversion where this CPU has them (every x86-64 CPU of the last ten years; without -mpopcnt
     each PopCount is a libgcc call, which made the TCA-BME decoder ~2x slower, and without F16C the
-    fp16 dequantizer rounds in integer code, 2-4x slower; the source has a form for either)."""
+    fp16 dequantizer rounds in integer code, 2-4x slower; the source has a form for either), and
+    AVX2 with FMA, whose 8-wide sums the low-bit direct kernel uses for its products."""
     extra = os.environ.get("SPINFER_CPU_CFLAGS", "").split()  # e.g. -fsanitize=address: scripts/asan_cpu.sh
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
         return BASE_FLAGS + extra
     have = _cpu_flags()
-    return BASE_FLAGS + [f"-m{f}" for f in ("ssse3", "popcnt", "f16c") if f in have] + extra
+    wide = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= have else []
+    return BASE_FLAGS + [f"-m{f}" for f in ("ssse3", "popcnt", "f16c") if f in have] + wide + extra
 
 
 def library_path(cxx: str) -> Path:
@@ -205,13 +207,11 @@ def tca_bme_spmm(x: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor, gt
     if lib is None or values.device.type != "cpu":
         return None
     gt_h, gt_w = _check_tca_bme(bitmap, values, gtile_offset, m, k, group_tile)
-    kp = -(-k // gt_w) * gt_w
-    xf = torch.zeros((x.shape[0], kp), dtype=torch.float32)
-    xf[:, :k] = x
+    x = _check_x(x, k, values.dtype)
     bitmap, values, gtile_offset = bitmap.contiguous(), values.contiguous(), gtile_offset.contiguous()
     y = torch.empty((x.shape[0], m), dtype=torch.float32)
     rc = lib.spinfer_tca_bme_spmm(bitmap.data_ptr(), values.data_ptr(), values.numel(), gtile_offset.data_ptr(), m, k,
-                                  gt_h, gt_w, int(values.dtype == torch.bfloat16), xf.data_ptr(), x.shape[0],
+                                  gt_h, gt_w, int(values.dtype == torch.bfloat16), x.data_ptr(), x.shape[0],
                                   y.data_ptr(), _threads())
     _raise_for(rc, m, k, gt_h, gt_w)
     return y
@@ -278,15 +278,25 @@ def lowbit_spmm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor
     if lib is None or qweight.device.type != "cpu":
         return None
     qweight, scale_zero = _check_lowbit(qweight, scale_zero, bits, group_size, m, k)
-    xf = torch.zeros((x.shape[0], -(-k // 128) * 128), dtype=torch.float32)
-    xf[:, :k] = x
+    x = _check_x(x, k, scale_zero.dtype)
     y = torch.empty((x.shape[0], m), dtype=torch.float32)
     rc = lib.spinfer_lowbit_spmm(qweight.data_ptr(), scale_zero.data_ptr(), m, k, bits, group_size,
-                                 int(scale_zero.dtype == torch.bfloat16), xf.data_ptr(), x.shape[0], y.data_ptr(),
+                                 int(scale_zero.dtype == torch.bfloat16), x.data_ptr(), x.shape[0], y.data_ptr(),
                                  _threads())
     if rc != 0:
         raise ValueError(f"the CPU low-bit kernel refused a {m}x{k} {bits}-bit weight (code {rc})")
     return y
+
+
+def _check_x(x: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """x as the direct kernels read it: ``[N, k]`` in the weight's dtype, contiguous. (They widen it
+    to float32 themselves: a torch copy of more than 32768 elements leaves torch's OpenMP threads
+    spinning on the cores these kernels' threads need; codec.cpp, widen_rows.)"""
+    if x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1:
+        raise ValueError(f"x must be [N >= 1, {k}], got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise TypeError(f"x is {x.dtype}, the weight {dtype}")
+    return x.contiguous()
 
 
 def _check_lowbit(qweight, scale_zero, bits: int, group_size: int, m: int, k: int):

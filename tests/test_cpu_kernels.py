@@ -376,8 +376,11 @@ def test_dequantizer_checks_sizes_and_dtypes(lib):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("group_size", [32, 128, None])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256, None])
 def test_a_few_tokens_multiply_straight_from_the_low_bit_arrays(lib, monkeypatch, bits, group_size, dtype):
+    # Groups that hold whole words take the four-words-at-a-time unpack (codec.cpp, kWordSpan: 1 bit
+    # from 128 columns, 2 bits from 64, 4 bits from 32, 8 bits from 16, or one group a row); 1-bit
+    # g32 / g64 and 2-bit g32 the value-by-value one.
     monkeypatch.setattr(cpu_kernels, "lowbit_dequantize", lambda *a, **kw: pytest.fail("dequantized"))
     for m, k in ((1, 256), (130, 1000 if group_size is None else 768)):
         q = LowBitWeight.quantize(torch.randn(m, k, dtype=dtype), bits, group_size)
@@ -393,6 +396,41 @@ def test_a_few_tokens_multiply_straight_from_the_low_bit_arrays(lib, monkeypatch
             assert torch.equal(bits_of(layer(x)), bits_of(y))
             y32 = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, q.bits, q.group_size, m, k)
             assert_float32_sum(y32, x, w)  # so the weight's values are the reference's
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (1, 32)])  # both unpacks
+def test_a_nan_scale_spoils_its_rows_in_the_direct_kernel_as_in_the_reference(lib, bits, group_size, dtype):
+    m, k = 70, 256
+    q = LowBitWeight.quantize(torch.randn(m, k, dtype=dtype), bits, group_size)
+    scales = q.scales.clone()
+    scales[5, 1] = float("nan")
+    scales[9, 0] = float("inf")
+    q = LowBitWeight(q.qweight, scales, q.zeros, bits, group_size, (m, k))
+    x = torch.randn(2, k, dtype=dtype)
+    y = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, bits, group_size, m, k)
+    ref = x.double() @ lowbit_reference(q).double().t()
+    assert torch.equal(y.isnan(), ref.isnan()) and bool(y[:, 5].isnan().all())
+    finite = ~ref.isnan()
+    assert torch.equal(y[finite].isinf(), ref[finite].isinf())
+    rows = [r for r in range(m) if r not in (5, 9)]
+    assert_float32_sum(y[:, rows], x, lowbit_reference(q)[rows])
+
+
+def test_the_direct_kernels_refuse_x_of_another_dtype_or_shape(lib):
+    q = LowBitWeight.quantize(torch.randn(70, 256, dtype=torch.float16), 4, 128)
+    enc = TCABME.from_dense(random_sparse((70, 256), 0.5, torch.float16))
+    calls = {
+        "low-bit": lambda x: cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, 4, 128, 70, 256),
+        "TCA-BME": lambda x: cpu_kernels.tca_bme_spmm(x, enc.bitmap, enc.values, enc.gtile_offset, 70, 256, (64, 64)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match="x is torch.bfloat16, the weight torch.float16"):
+            call(torch.randn(2, 256, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"x must be \[N >= 1, 256\], got \(2, 255\)"):
+            call(torch.randn(2, 255, dtype=torch.float16))
+        x = torch.randn(256, 3, dtype=torch.float16).t()  # not contiguous: read as it is
+        assert torch.equal(call(x), call(x.contiguous())), name
 
 
 def test_the_low_bit_direct_kernel_takes_act_order(lib):
@@ -431,12 +469,15 @@ def test_without_the_library_the_reference_dequantizes(monkeypatch):
     assert torch.equal(bits_of(q.dequantize()), bits_of(lowbit_reference(q)))
 
 
-def test_the_portable_build_without_x86_extensions_gives_the_same_bits(lib, monkeypatch, tmp_path):
+@pytest.mark.parametrize("extensions", [(), ("ssse3", "popcnt", "f16c")], ids=["portable", "without-avx"])
+def test_the_builds_without_x86_extensions_give_the_same_bits(lib, monkeypatch, tmp_path, extensions):
     # The scalar forms (no SSSE3 shuffle, no F16C conversion, no POPCNT): what a CPU without them,
-    # or another architecture, runs.
+    # or another architecture, runs; and the SSE forms without AVX's 8-wide sums.
+    if not set(extensions) <= cpu_kernels._cpu_flags():
+        pytest.skip(f"this CPU lacks one of {extensions}")
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_failure", None)
-    monkeypatch.setattr(cpu_kernels, "flags", lambda: list(cpu_kernels.BASE_FLAGS))
+    monkeypatch.setattr(cpu_kernels, "flags", lambda: list(cpu_kernels.BASE_FLAGS) + [f"-m{e}" for e in extensions])
     monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))
     portable = cpu_kernels.library()
     assert portable is not None and portable is not lib
@@ -454,6 +495,11 @@ def test_the_portable_build_without_x86_extensions_gives_the_same_bits(lib, monk
             q = LowBitWeight.quantize(torch.randn(70, 1001, dtype=dtype), bits, None)
             assert torch.equal(bits_of(lowbit_compiled(q)), bits_of(lowbit_reference(q)))
             y = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, bits, 1001, 70, 1001)
+            assert_float32_sum(y, x, lowbit_reference(q))
+        x = torch.randn(5, 256, dtype=dtype)
+        for bits, group_size in ((4, 32), (1, 32)):  # both unpacks of the direct kernel
+            q = LowBitWeight.quantize(torch.randn(70, 256, dtype=dtype), bits, group_size)
+            y = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, bits, group_size, 70, 256)
             assert_float32_sum(y, x, lowbit_reference(q))
 
 

@@ -339,6 +339,52 @@ constexpr std::array<std::array<uint8_t, 128>, 4> make_stream_index() {
 }
 constexpr auto kStreamIndex = make_stream_index();
 
+// The direct low-bit kernel's slot order (lowbit_spmm_rows): a chunk's words are taken four at a
+// time, and value p of the block's word w goes to slot 4 p + w of the block, so one SSE register
+// holds value p of four words and the unpack shifts all four lanes alike. kXSlot[b][c]: the slot
+// of column c's value; x is permuted into slot order once per call instead of the values into
+// column order once per chunk.
+constexpr std::array<std::array<uint8_t, 128>, 4> make_x_slot() {
+    std::array<std::array<uint8_t, 128>, 4> t{};
+    for (int b = 0; b < 4; ++b) {
+        const int v = 32 >> b;
+        for (int c = 0; c < 128; ++c) {
+            const int j = kStreamIndex[b][c], word = j / v, p = j % v;
+            t[b][c] = static_cast<uint8_t>(word / 4 * 4 * v + 4 * p + word % 4);
+        }
+    }
+    return t;
+}
+constexpr auto kXSlot = make_x_slot();
+
+// The columns of one word of a chunk lie in one aligned block of kWordSpan[b] columns (checked
+// below), so where a group holds whole blocks, each word has one (scale, zero) pair.
+constexpr std::array<int, 4> kWordSpan{128, 64, 32, 16};
+constexpr bool words_within_span() {
+    for (int b = 0; b < 4; ++b) {
+        const int v = 32 >> b;
+        for (int word = 0; word < 128 / v; ++word) {
+            int lo = 128, hi = -1;
+            for (int c = 0; c < 128; ++c) {
+                if (kStreamIndex[b][c] / v == word) lo = std::min(lo, c), hi = std::max(hi, c);
+            }
+            if (lo / kWordSpan[b] != hi / kWordSpan[b]) return false;
+        }
+    }
+    return true;
+}
+static_assert(words_within_span(), "a word's columns cross a kWordSpan block");
+
+// The first column of each word of a chunk (any of its columns names its group, above).
+constexpr std::array<std::array<uint8_t, 128>, 4> make_word_column() {
+    std::array<std::array<uint8_t, 128>, 4> t{};
+    for (int b = 0; b < 4; ++b) {
+        for (int c = 127; c >= 0; --c) t[b][kStreamIndex[b][c] / (32 >> b)] = static_cast<uint8_t>(c);
+    }
+    return t;
+}
+constexpr auto kWordColumn = make_word_column();
+
 struct LowBit {
     const uint32_t* qweight;   // [Mp/64, Kp/S, 64, S bits / 32]
     const uint16_t* scale_zero;  // [Mp/64, K/g, 64, 2]
@@ -401,56 +447,188 @@ void dequantize_rows(const LowBit& w, int64_t row0, int64_t row1, uint16_t* out)
     }
 }
 
+// Where each word of a row's chunks takes its (scale, zero) pair: the same for every row. A chunk
+// meets at most 4 groups (groups of 32 columns or more, kWordSpan): its first group `first[ch]`
+// and, per word, the offset from it (0-3), or 4 for a word past k (a zero pair); `uniform[ch]`
+// where every word has the same one.
+struct ChunkGroups {
+    std::vector<int32_t> first;
+    std::vector<uint8_t> offset, uniform;
+};
+
+#ifdef __SSE2__
+// Four float32 lanes rounded to the dtype's nearest (ties to even) and widened back: the values
+// the reference's rounding gives. NaN stays NaN.
+template <bool kBf16>
+inline __m128 round_to_dtype(__m128 v) {
+    if constexpr (kBf16) {
+        const __m128i bits = _mm_castps_si128(v);
+        const __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+        const __m128i rounded = _mm_and_si128(_mm_add_epi32(bits, _mm_add_epi32(_mm_set1_epi32(0x7fff), lsb)),
+                                              _mm_set1_epi32(static_cast<int>(0xffff0000u)));
+        const __m128 nan = _mm_cmpunord_ps(v, v);
+        return _mm_or_ps(_mm_and_ps(nan, v), _mm_andnot_ps(nan, _mm_castsi128_ps(rounded)));
+    } else {
+#ifdef __F16C__
+        return _mm_cvtph_ps(_mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+        alignas(16) float f[4];
+        _mm_store_ps(f, v);
+        for (float& e : f) e = fp16_to_float(float_to_fp16(e));
+        return _mm_load_ps(f);
+#endif
+    }
+}
+
+// One 128-column chunk of one row, dequantized as the reference dequantizes it (so the weight's
+// values are the reference's), in float32 and in slot order (kXSlot) into wf; slots of columns
+// past k get zeros. Needs one group a word (one_group_per_word).
+template <int kBits, bool kBf16>
+void dequantize_chunk_slots(const LowBit& w, int64_t row, int64_t c0, const ChunkGroups& cg, float* wf) {
+    constexpr int kPerWord = 32 / kBits;
+    constexpr int64_t kStage = kBits == 8 ? 128 : 256, kStageWords = kStage * kBits / 32, kChunkWords = 4 * kBits;
+    const int64_t k = w.k, ngroups = k / w.group_size, ch = c0 / 128;
+    const int64_t stages = (k + 255) / 256 * 256 / kStage;
+    const int64_t block = row / 64, r = row % 64;
+    const uint16_t* const pairs = w.scale_zero + (block * ngroups * 64 + r) * 2;  // group g at + 128 g
+    const uint32_t* words = w.qweight + ((block * stages + c0 / kStage) * 64 + r) * kStageWords +
+                            (c0 % kStage) / 128 * kChunkWords;
+    // the chunk's pairs in float32, once; slot 4: a word past k
+    alignas(16) float scale[5] = {}, zero[5] = {};
+    const int32_t first = cg.first[ch];
+    for (int i = 0; i < 4 && first + i < ngroups; ++i) {
+        const uint16_t* pair = pairs + (first + i) * 128;
+        scale[i] = kBf16 ? bf16_to_float(pair[0]) : fp16_to_float(pair[0]);
+        zero[i] = kBf16 ? bf16_to_float(pair[1]) : fp16_to_float(pair[1]);
+    }
+    const uint8_t* const offset = cg.offset.data() + ch * kChunkWords;
+    const bool uniform = cg.uniform[ch] != 0;
+    __m128 sv = _mm_set1_ps(scale[offset[0]]), zv = _mm_set1_ps(zero[offset[0]]);
+    const __m128i mask = _mm_set1_epi32((1 << kBits) - 1);
+    for (int q4 = 0; q4 < kChunkWords / 4; ++q4) {
+        if (!uniform) {
+            const uint8_t* o = offset + 4 * q4;
+            sv = _mm_setr_ps(scale[o[0]], scale[o[1]], scale[o[2]], scale[o[3]]);
+            zv = _mm_setr_ps(zero[o[0]], zero[o[1]], zero[o[2]], zero[o[3]]);
+        }
+        const __m128i four = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words + 4 * q4));
+        float* out = wf + q4 * 4 * kPerWord;
+        for (int p = 0; p < kPerWord; ++p) {
+            const __m128i q = _mm_and_si128(_mm_srl_epi32(four, _mm_cvtsi32_si128(kBits * p)), mask);
+            const __m128 v = _mm_mul_ps(_mm_sub_ps(_mm_cvtepi32_ps(q), zv), sv);
+            _mm_store_ps(out + 4 * p, round_to_dtype<kBf16>(v));
+        }
+    }
+}
+#endif
+
+// Whether dequantize_chunk_slots can take this weight: every word in one group.
+inline bool one_group_per_word(const LowBit& w) {
+    const int b = __builtin_ctz(static_cast<unsigned>(w.bits));
+    return w.group_size % kWordSpan[b] == 0 || w.group_size == w.k;
+}
+
+#ifdef __SSE2__
+ChunkGroups chunk_groups(const LowBit& w) {
+    const int b = __builtin_ctz(static_cast<unsigned>(w.bits)), words = 4 * w.bits;
+    const int64_t chunks = (w.k + 127) / 128;
+    ChunkGroups cg;
+    cg.first.resize(static_cast<size_t>(chunks));
+    cg.offset.resize(static_cast<size_t>(chunks * words));
+    cg.uniform.resize(static_cast<size_t>(chunks));
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+        cg.first[ch] = static_cast<int32_t>(ch * 128 / w.group_size);
+        bool same = true;
+        for (int i = 0; i < words; ++i) {
+            const int64_t col = ch * 128 + kWordColumn[b][i];
+            const uint8_t o = col < w.k ? static_cast<uint8_t>(col / w.group_size - cg.first[ch]) : uint8_t(4);
+            cg.offset[ch * words + i] = o;
+            same = same && o == cg.offset[ch * words];
+        }
+        cg.uniform[ch] = same;
+    }
+    return cg;
+}
+#endif
+
 // Rows [row0, row1) of y[N, M] = x[N, Kp] W^T in float32, straight from the low-bit arrays: each
 // 128-column chunk of a row dequantized as the reference dequantizes it (so the weight's values
-// are the reference's), widened to float32 and multiplied by each token's x into 4-wide sums.
-// x is float32, zero-padded to Kp (k rounded up to 128).
+// are the reference's) into float32, then multiplied by each token's x into independent partial
+// sums (4 of 8 with AVX, 4 of 4 with SSE2). x is float32, zero-padded to Kp (k rounded up to
+// 128), its rows ldx apart; with `groups` (SSE2, one group a word) the chunk is unpacked four
+// words at a time in slot order and x comes permuted to match (kXSlot), else it is unpacked value
+// by value into column order (dequantize_chunk). (Four rows at a time, loading each token's x
+// slice once for all four, measured no faster: 4096x4096, 1-16 tokens, 2-8 bits.)
 template <int kBits, bool kBf16>
-void lowbit_spmm_rows(const LowBit& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y) {
-    const int64_t k = w.k, kp = (k + 127) / 128 * 128;
+void lowbit_spmm_rows(const LowBit& w, const float* x, int64_t ldx, int64_t n, int64_t row0, int64_t row1,
+                      float* y, [[maybe_unused]] const ChunkGroups* groups) {
+#if defined(__AVX__)
+    constexpr int kAcc = 32;
+#else
+    constexpr int kAcc = 16;
+#endif
+    const int64_t k = w.k;
     alignas(16) uint16_t chunk[128];
-    alignas(16) float wf[128];
-    std::vector<float> acc(static_cast<size_t>(n * 16));  // per token 4 sums of 4: independent adds
+    alignas(32) float wf[128];
+    std::vector<float> acc(static_cast<size_t>(n * kAcc));
     for (int64_t row = row0; row < row1; ++row) {
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t c0 = 0; c0 < k; c0 += 128) {
-            std::fill(chunk, chunk + 128, uint16_t(0));  // columns past k: zero weights (x is zero there too)
-            dequantize_chunk<kBits, kBf16>(w, row, c0, chunk);
-#ifdef __F16C__
-            if constexpr (!kBf16) {
-                for (int c = 0; c < 128; c += 4) {
-                    _mm_store_ps(wf + c, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + c))));
-                }
+#ifdef __SSE2__
+            if (groups != nullptr) {
+                dequantize_chunk_slots<kBits, kBf16>(w, row, c0, *groups, wf);
             } else
 #endif
             {
-                for (int c = 0; c < 128; ++c) wf[c] = kBf16 ? bf16_to_float(chunk[c]) : fp16_to_float(chunk[c]);
+                std::fill(chunk, chunk + 128, uint16_t(0));  // columns past k: zero weights (x is zero there too)
+                dequantize_chunk<kBits, kBf16>(w, row, c0, chunk);
+#ifdef __F16C__
+                if constexpr (!kBf16) {
+                    for (int c = 0; c < 128; c += 4) {
+                        _mm_store_ps(wf + c,
+                                     _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + c))));
+                    }
+                } else
+#endif
+                {
+                    for (int c = 0; c < 128; ++c) wf[c] = kBf16 ? bf16_to_float(chunk[c]) : fp16_to_float(chunk[c]);
+                }
             }
             for (int64_t t = 0; t < n; ++t) {
-                const float* xt = x + t * kp + c0;
-                float* a = acc.data() + 16 * t;
-#ifdef __SSE2__
-                __m128 s0 = _mm_loadu_ps(a), s1 = _mm_loadu_ps(a + 4), s2 = _mm_loadu_ps(a + 8),
-                       s3 = _mm_loadu_ps(a + 12);
-                for (int c = 0; c < 128; c += 16) {
-                    s0 = _mm_add_ps(s0, _mm_mul_ps(_mm_load_ps(wf + c), _mm_loadu_ps(xt + c)));
-                    s1 = _mm_add_ps(s1, _mm_mul_ps(_mm_load_ps(wf + c + 4), _mm_loadu_ps(xt + c + 4)));
-                    s2 = _mm_add_ps(s2, _mm_mul_ps(_mm_load_ps(wf + c + 8), _mm_loadu_ps(xt + c + 8)));
-                    s3 = _mm_add_ps(s3, _mm_mul_ps(_mm_load_ps(wf + c + 12), _mm_loadu_ps(xt + c + 12)));
-                }
-                _mm_storeu_ps(a, s0);
-                _mm_storeu_ps(a + 4, s1);
-                _mm_storeu_ps(a + 8, s2);
-                _mm_storeu_ps(a + 12, s3);
+                const float* xt = x + t * ldx + c0;
+                float* a = acc.data() + kAcc * t;
+#if defined(__AVX__)
+                __m256 s[4];
+                for (int i = 0; i < 4; ++i) s[i] = _mm256_loadu_ps(a + 8 * i);
+                for (int c = 0; c < 128; c += 32) {
+                    for (int i = 0; i < 4; ++i) {
+                        const __m256 wv = _mm256_load_ps(wf + c + 8 * i), xv = _mm256_loadu_ps(xt + c + 8 * i);
+#ifdef __FMA__
+                        s[i] = _mm256_fmadd_ps(wv, xv, s[i]);
 #else
-                for (int c = 0; c < 128; ++c) a[c % 16] += wf[c] * xt[c];
+                        s[i] = _mm256_add_ps(s[i], _mm256_mul_ps(wv, xv));
+#endif
+                    }
+                }
+                for (int i = 0; i < 4; ++i) _mm256_storeu_ps(a + 8 * i, s[i]);
+#elif defined(__SSE2__)
+                __m128 s[4];
+                for (int i = 0; i < 4; ++i) s[i] = _mm_loadu_ps(a + 4 * i);
+                for (int c = 0; c < 128; c += 16) {
+                    for (int i = 0; i < 4; ++i) {
+                        s[i] = _mm_add_ps(s[i], _mm_mul_ps(_mm_load_ps(wf + c + 4 * i), _mm_loadu_ps(xt + c + 4 * i)));
+                    }
+                }
+                for (int i = 0; i < 4; ++i) _mm_storeu_ps(a + 4 * i, s[i]);
+#else
+                for (int c = 0; c < 128; ++c) a[c % kAcc] += wf[c] * xt[c];
 #endif
             }
         }
         for (int64_t t = 0; t < n; ++t) {
-            const float* a = acc.data() + 16 * t;
+            const float* a = acc.data() + kAcc * t;
             float sum = 0.0f;
-            for (int i = 0; i < 16; ++i) sum += a[i];
+            for (int i = 0; i < kAcc; ++i) sum += a[i];
             y[t * w.m + row] = sum;
         }
     }
@@ -466,11 +644,12 @@ void dequantize_rows_of(const LowBit& w, int64_t row0, int64_t row1, uint16_t* o
 }
 
 template <int kBits>
-void lowbit_spmm_rows_of(const LowBit& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y) {
+void lowbit_spmm_rows_of(const LowBit& w, const float* x, int64_t ldx, int64_t n, int64_t row0, int64_t row1,
+                         float* y, const ChunkGroups* groups) {
     if (w.bf16) {
-        lowbit_spmm_rows<kBits, true>(w, x, n, row0, row1, y);
+        lowbit_spmm_rows<kBits, true>(w, x, ldx, n, row0, row1, y, groups);
     } else {
-        lowbit_spmm_rows<kBits, false>(w, x, n, row0, row1, y);
+        lowbit_spmm_rows<kBits, false>(w, x, ldx, n, row0, row1, y, groups);
     }
 }
 
@@ -559,12 +738,34 @@ bool spmm_rows(const TcaBme& w, const float* x, int64_t n, int64_t row0, int64_t
     return true;
 }
 
+// x [n, k] (fp16 or bf16, contiguous) widened to float32 rows `ld` apart, zero-padded past k. The
+// kernels take x in its own dtype and widen it here, not in torch: a torch copy of more than
+// 32768 elements runs on torch's OpenMP threads, which then spin for milliseconds and took the
+// second core from these kernels' threads (4096x4096 at 4 bits, 16 tokens, two cores: 9.2 ms
+// called alone, 16.4 ms right after such a copy).
+void widen_rows(const uint16_t* x, int64_t n, int64_t k, bool bf16, float* out, int64_t ld) {
+    for (int64_t t = 0; t < n; ++t) {
+        const uint16_t* src = x + t * k;
+        float* dst = out + t * ld;
+        int64_t c = 0;
+#ifdef __F16C__
+        if (!bf16) {
+            for (; c + 4 <= k; c += 4) {
+                _mm_storeu_ps(dst + c, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c))));
+            }
+        }
+#endif
+        for (; c < k; ++c) dst[c] = bf16 ? bf16_to_float(src[c]) : fp16_to_float(src[c]);
+        std::fill(dst + k, dst + ld, 0.0f);
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Version of this interface; spinfer/cpu_kernels.py refuses a library that reports another.
-int spinfer_cpu_abi_version() { return 5; }
+int spinfer_cpu_abi_version() { return 6; }
 
 // Dense [m, k] (row-major, the 16-bit patterns of the values' dtype) from TCA-BME arrays.
 // Returns 0; 1 if a GroupTile's run reaches past `values` (out is then incomplete); 2 for
@@ -654,37 +855,66 @@ int spinfer_tca_bme_pack(const uint16_t* w, int64_t m, int64_t k, int64_t gt_h, 
     return ok ? 0 : 1;
 }
 
-// y[n, m] (float32) = x[n, Kp] (float32, zero-padded to Kp = k rounded up to gt_w) times the
-// TCA-BME weight's transpose, in float32, without the dense weight; bf16 != 0 for bf16 values,
-// else fp16. Returns 0; 1 if a GroupTile's run reaches past `values` (y is then incomplete); 2
-// for arguments it cannot take.
+// y[n, m] (float32) = x[n, k] (contiguous, in the values' dtype) times the TCA-BME weight's
+// transpose, in float32, without the dense weight; bf16 != 0 for bf16 values and x, else fp16.
+// Returns 0; 1 if a GroupTile's run reaches past `values` (y is then incomplete); 2 for arguments
+// it cannot take.
 int spinfer_tca_bme_spmm(const uint64_t* bitmap, const uint16_t* values, int64_t n_values, const int32_t* offsets,
-                         int64_t m, int64_t k, int64_t gt_h, int64_t gt_w, int bf16, const float* x, int64_t n,
+                         int64_t m, int64_t k, int64_t gt_h, int64_t gt_w, int bf16, const uint16_t* x, int64_t n,
                          float* y, int threads) {
     if (m < 1 || k < 1 || n < 1 || gt_h < 16 || gt_w < 16 || gt_h % 16 || gt_w % 16 || n_values < 0) return 2;
     const TcaBme w{bitmap, values, n_values, offsets, m, k, gt_h, gt_w};
+    const int64_t kp = (k + gt_w - 1) / gt_w * gt_w;
+    std::vector<float> xf(static_cast<size_t>(n * kp));
+    widen_rows(x, n, k, bf16 != 0, xf.data(), kp);
     const bool ok = parallel_rows((m + gt_h - 1) / gt_h, threads, [&](int64_t a, int64_t b) {
-        return bf16 ? spmm_rows<true>(w, x, n, a, b, y) : spmm_rows<false>(w, x, n, a, b, y);
+        return bf16 ? spmm_rows<true>(w, xf.data(), n, a, b, y) : spmm_rows<false>(w, xf.data(), n, a, b, y);
     });
     return ok ? 0 : 1;
 }
 
-// y[n, m] (float32) = x[n, Kp] (float32, zero-padded to Kp = k rounded up to 128) times the
-// low-bit weight's transpose (stored K order), without the dense weight; arguments as
-// spinfer_lowbit_dequantize's. Returns 0, or 2 for arguments it cannot take.
+// y[n, m] (float32) = x[n, k] (contiguous, in the scales' dtype) times the low-bit weight's
+// transpose (stored K order), without the dense weight; arguments as spinfer_lowbit_dequantize's.
+// Returns 0, or 2 for arguments it cannot take.
 int spinfer_lowbit_spmm(const uint32_t* qweight, const uint16_t* scale_zero, int64_t m, int64_t k, int bits,
-                        int64_t group_size, int bf16, const float* x, int64_t n, float* y, int threads) {
+                        int64_t group_size, int bf16, const uint16_t* x, int64_t n, float* y, int threads) {
     if (m < 1 || k < 1 || n < 1 || group_size < 1 || k % group_size ||
         (bits != 1 && bits != 2 && bits != 4 && bits != 8))
         return 2;
     const LowBit w{qweight, scale_zero, m, k, group_size, bits, bf16 != 0};
+    // x in float32, zero-padded to Kp; for the slot-order unpack (where SSE2 and the groups allow
+    // it) permuted within each chunk to match.
+    const int64_t kp = (k + 127) / 128 * 128;
+    std::vector<float> xf(static_cast<size_t>(n * kp));
+    widen_rows(x, n, k, bf16 != 0, xf.data(), kp);
+#ifdef __SSE2__
+    ChunkGroups groups;
+    const bool slots = one_group_per_word(w);
+    if (slots) {
+        groups = chunk_groups(w);
+        const uint8_t* const slot = kXSlot[__builtin_ctz(static_cast<unsigned>(bits))].data();
+        alignas(16) float chunk[128];
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t c0 = 0; c0 < kp; c0 += 128) {
+                float* row = xf.data() + t * kp + c0;
+                for (int c = 0; c < 128; ++c) chunk[slot[c]] = row[c];
+                std::copy(chunk, chunk + 128, row);
+            }
+        }
+    }
+    const ChunkGroups* const g = slots ? &groups : nullptr;
+#else
+    const ChunkGroups* const g = nullptr;
+#endif
+    const float* const xin = xf.data();
+    const int64_t ldx = kp;
     parallel_rows((m + 63) / 64, threads, [&](int64_t a, int64_t b) {
         const int64_t r0 = a * 64, r1 = std::min(m, b * 64);
         switch (bits) {
-            case 1: lowbit_spmm_rows_of<1>(w, x, n, r0, r1, y); break;
-            case 2: lowbit_spmm_rows_of<2>(w, x, n, r0, r1, y); break;
-            case 4: lowbit_spmm_rows_of<4>(w, x, n, r0, r1, y); break;
-            default: lowbit_spmm_rows_of<8>(w, x, n, r0, r1, y); break;
+            case 1: lowbit_spmm_rows_of<1>(w, xin, ldx, n, r0, r1, y, g); break;
+            case 2: lowbit_spmm_rows_of<2>(w, xin, ldx, n, r0, r1, y, g); break;
+            case 4: lowbit_spmm_rows_of<4>(w, xin, ldx, n, r0, r1, y, g); break;
+            default: lowbit_spmm_rows_of<8>(w, xin, ldx, n, r0, r1, y, g); break;
         }
         return true;
     });

@@ -417,6 +417,24 @@ def test_a_nan_scale_spoils_its_rows_in_the_direct_kernel_as_in_the_reference(li
     assert_float32_sum(y[:, rows], x, lowbit_reference(q)[rows])
 
 
+def test_the_low_bit_direct_kernel_takes_groups_the_layers_do_not(lib):
+    # The C interface takes any group size that divides K: 8-bit groups of 16 hold whole words but
+    # put 8 groups in a chunk, past the four-words-at-a-time unpack's 4 (one_group_per_word).
+    from spinfer.quant.lowbit import pack, tile_scale_zero
+
+    m, k = 70, 256
+    for bits, g in ((8, 16), (8, 8), (4, 16), (2, 16)):
+        q = torch.randint(0, 1 << bits, (m, k), dtype=torch.uint8)
+        scale = (torch.rand(m, k // g) + 0.5).half()
+        zero = torch.randint(0, 1 << bits, (m, k // g)).half()
+        qweight = pack(q, bits)
+        scale_zero = tile_scale_zero(torch.stack([scale, zero], -1))
+        w = ((q.float().reshape(m, k // g, g) - zero.float()[..., None]) * scale.float()[..., None]).reshape(m, k)
+        x = torch.randn(3, k, dtype=torch.float16)
+        y = cpu_kernels.lowbit_spmm(x, qweight, scale_zero, bits, g, m, k)
+        assert_float32_sum(y, x, w.half())
+
+
 def test_the_direct_kernels_refuse_x_of_another_dtype_or_shape(lib):
     q = LowBitWeight.quantize(torch.randn(70, 256, dtype=torch.float16), 4, 128)
     enc = TCABME.from_dense(random_sparse((70, 256), 0.5, torch.float16))

@@ -522,10 +522,12 @@ void dequantize_chunk_slots(const LowBit& w, int64_t row, int64_t c0, const Chun
 }
 #endif
 
-// Whether dequantize_chunk_slots can take this weight: every word in one group.
+// Whether dequantize_chunk_slots can take this weight: every word in one group, and at most 4
+// groups a chunk (ChunkGroups). (The C interface takes any group size that divides k; the layer
+// types take 32, 64, 128, 256 and per-channel.)
 inline bool one_group_per_word(const LowBit& w) {
     const int b = __builtin_ctz(static_cast<unsigned>(w.bits));
-    return w.group_size % kWordSpan[b] == 0 || w.group_size == w.k;
+    return (w.group_size % kWordSpan[b] == 0 && w.group_size >= 32) || w.group_size == w.k;
 }
 
 #ifdef __SSE2__

@@ -11,14 +11,14 @@ runs of one build, as much as the effects measured (docs/quant.md, thirty-sevent
 Prints each graph's tokens/s (the best and the median round) and its ratio to dense captured with
 the same glue (--glues: every graph, dense included, once per glue mode of e2e.py, by default the
 one `spinfer bench e2e` takes; "pdl-sdpa" is the pdl glue with torch's index_copy_, SDPA and mask
-for the attention step instead of its Triton kernel, pdl_glue.decode_attention). A config item NODES=P sets the preferred shared-memory carveout
-P (percent) on every kernel node of the captured graph, torch's included, before it is
-instantiated (the driver API through ctypes). --profile
-lists each graph's kernels with their durations and the idle gaps before them (torch.profiler);
---positions also puts the graphs side by side, kernel by kernel in step order (where a kernel name's
-mean hides which layer moved);
---soak replays each graph for a while, printing wall-clock times to line up with a clock log
-(nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50).
+for the attention step instead of its Triton kernel, pdl_glue.decode_attention). A config item
+NODES=P sets the preferred shared-memory carveout P (percent) on every kernel node of the captured
+graph, torch's included, before it is instantiated (the driver API through ctypes). --profile lists
+each graph's kernels with their durations and the idle gaps before them (torch.profiler);
+--positions also puts the graphs side by side, kernel by kernel in step order (where a kernel
+name's mean hides which layer moved); --soak replays each graph for a while, printing wall-clock
+times to line up with a clock log (nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw
+--format=csv -lms 50).
 """
 
 import argparse
@@ -126,7 +126,8 @@ def main():
     p.add_argument("--configs", default="auto,LOWBIT_RING=0,LOWBIT_RING=2")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dims", default="4096,14336,32,8", help="hidden, MLP, heads, KV heads (Llama-70B: 8192,28672,64,8)")
+    p.add_argument("--dims", default="4096,14336,32,8",
+                   help="hidden, MLP, heads, KV heads (Llama-70B: 8192,28672,64,8)")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--glues", default=None,

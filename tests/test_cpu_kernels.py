@@ -535,3 +535,36 @@ def test_encoder_refuses_runs_that_do_not_fit_their_offsets(lib):
     assert rc == 1
     rc = lib.spinfer_tca_bme_pack(w.data_ptr(), 128, 128, 64, 64, offsets.data_ptr(), out.data_ptr(), out.numel(), 1)
     assert rc == 0 and torch.equal(bits(out), bits(values))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_more_tokens_multiply_band_by_band_in_float32(lib, monkeypatch, dtype):
+    # Above the direct kernels' N the weight is decoded a band of rows at a time (CPU_BAND_BYTES of
+    # float32 each) and multiplied in float32: here bands of 64 rows over 300, the last one short.
+    import importlib
+
+    linear_input = importlib.import_module("spinfer.ops.linear_input")
+    spmm_ops, lowbit_ops = importlib.import_module("spinfer.ops.spmm"), importlib.import_module("spinfer.ops.lowbit_mm")
+    m, k = 300, 512
+    monkeypatch.setattr(linear_input, "CPU_BAND_BYTES", 64 * 4 * k)
+    rows = []
+    decode, dequantize_rows = spmm_ops.decode_on_cpu, lowbit_ops.dequantize_on_cpu
+    monkeypatch.setattr(spmm_ops, "decode_on_cpu",
+                        lambda b, v, o, mm, kk, gt: rows.append(mm) or decode(b, v, o, mm, kk, gt))
+    monkeypatch.setattr(lowbit_ops, "dequantize_on_cpu",
+                        lambda qw, sz, bits, g, mm, kk: rows.append(mm) or dequantize_rows(qw, sz, bits, g, mm, kk))
+    tol = 1e-3 if dtype == torch.float16 else 8e-3
+    bias = torch.randn(m, dtype=dtype)
+    x = torch.randn(LOWBIT_CPU_DIRECT_MAX_N + 3, k, dtype=dtype)
+    w = random_sparse((m, k), 0.6, dtype)
+    y = spinfer.spmm(x, TCABME.from_dense(w), bias)
+    assert rows == [64, 64, 64, 64, 44]
+    assert y.dtype == dtype and y.is_contiguous() and y.shape == (x.shape[0], m)
+    assert rel_err(y, float64_reference(x, w, bias)) <= tol
+    rows.clear()
+    q = LowBitWeight.quantize(torch.randn(m, k, dtype=dtype), 4, 128)
+    q = LowBitWeight(q.qweight, q.scales, q.zeros, 4, 128, (m, k), torch.randperm(k))  # act-order
+    y = spinfer.lowbit_mm(x, q, bias)
+    assert rows == [64, 64, 64, 64, 44]
+    assert y.dtype == dtype and y.is_contiguous() and y.shape == (x.shape[0], m)
+    assert rel_err(y, float64_reference(x, lowbit_reference(q), bias)) <= tol

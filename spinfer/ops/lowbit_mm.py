@@ -19,8 +19,9 @@ from .. import build, cpu_kernels, tuning
 from ..quant.lowbit import ROW_BLOCK, LowBitWeight, check_bits
 from . import library  # noqa: F401  (defines the schemas)
 from .to_dense import dequantize_on_cpu
-from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, direct_call_ok, flatten_input,
-                           linear_input_grads, needs_input_grad, refuse_weight_grad, wants_grad)
+from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, cpu_band_rows, direct_call_ok,
+                           flatten_input, float32_product, linear_input_grads, needs_input_grad, refuse_weight_grad,
+                           wants_grad)
 
 # Largest N served by the fused kernel, by bit width; above it the weight is decoded once
 # (lowbit_to_dense) and cuBLAS multiplies. The fused kernel decodes the weight again for every
@@ -56,11 +57,10 @@ def _reference(x, qweight, scale_zero, bits, group_size, m, k, perm, bias):
             if bias is not None:
                 y += bias.float()
             return y.to(x.dtype)
-    w = dequantize_on_cpu(qweight, scale_zero, bits, group_size, m, k, perm)
-    y = x.float() @ w.float().t()
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    # in the stored K order, as the direct kernel: x's columns follow it
+    bands = ((r0, r1, dequantize_on_cpu(qw, sz, bits, group_size, r1 - r0, k))
+             for r0, r1, qw, sz in _lowbit_band_arrays(qweight, scale_zero, m, cpu_band_rows(m, k, ROW_BLOCK)))
+    return float32_product(x if perm is None else x.index_select(1, perm), bands, m, bias)
 
 
 @torch.library.register_fake("spinfer::lowbit_mm")
@@ -127,15 +127,20 @@ def _lowbit_mm_setup_context(ctx, inputs, output):
     ctx.spec = (bits, group_size, m, k)
 
 
-def _lowbit_bands(qweight, scale_zero, bits, group_size, m, k):
-    """(r0, r1, W[r0:r1]) over the weight's rows, in bands of whole 64-row tiles, the leading
-    dimension of both qweight and scale_zero."""
-    rows = band_rows(m, k, ROW_BLOCK)
+def _lowbit_band_arrays(qweight, scale_zero, m, rows):
+    """(r0, r1, qweight, scale_zero) of W[r0:r1] for bands of ``rows`` rows (whole 64-row tiles,
+    the leading dimension of both arrays)."""
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         t0, t1 = r0 // ROW_BLOCK, -(-r1 // ROW_BLOCK)
-        yield r0, r1, torch.ops.spinfer.lowbit_to_dense(qweight[t0:t1], scale_zero[t0:t1], bits, group_size,
-                                                        r1 - r0, k)
+        yield r0, r1, qweight[t0:t1], scale_zero[t0:t1]
+
+
+def _lowbit_bands(qweight, scale_zero, bits, group_size, m, k):
+    """(r0, r1, W[r0:r1]) over the weight's rows for backward (stored K order), in bands of
+    band_rows rows."""
+    for r0, r1, qw, sz in _lowbit_band_arrays(qweight, scale_zero, m, band_rows(m, k, ROW_BLOCK)):
+        yield r0, r1, torch.ops.spinfer.lowbit_to_dense(qw, sz, bits, group_size, r1 - r0, k)
 
 
 def _lowbit_mm_backward(ctx, grad):

@@ -18,8 +18,9 @@ from .. import build, cpu_kernels, tuning
 from ..format.tca_bme import TCABME, Geometry, check_row_table, check_structure, longest_run, validate_arrays
 from . import library  # noqa: F401  (defines the schemas)
 from .to_dense import decode_on_cpu
-from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, direct_call_ok, flatten_input,
-                           linear_input_grads, needs_input_grad, refuse_weight_grad, wants_grad)
+from .linear_input import (band_rows, check_op_inputs, check_out, check_splits, cpu_band_rows, direct_call_ok,
+                           flatten_input, float32_product, linear_input_grads, needs_input_grad, refuse_weight_grad,
+                           wants_grad)
 
 
 @torch.library.register_fake("spinfer::spmm")
@@ -42,11 +43,10 @@ def _spmm_cpu(x, bitmap, values, gtile_offset, m, k, gt_h, gt_w, max_run, bias=N
     y = spmm_on_cpu(x, bitmap, values, gtile_offset, m, k, (gt_h, gt_w), bias)
     if y is not None:
         return y
-    w = decode_on_cpu(bitmap, values, gtile_offset, m, k, (gt_h, gt_w))
-    y = x.float() @ w.float().t()
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    bands = ((r0, r1, decode_on_cpu(b, v, off, r1 - r0, k, (gt_h, gt_w)))
+             for r0, r1, b, v, off in _tca_bme_band_arrays(bitmap, values, gtile_offset, m, k, gt_h, gt_w,
+                                                          cpu_band_rows(m, k, gt_h)))
+    return float32_product(x, bands, m, bias)
 
 
 @torch.library.register_fake("spinfer::spmm_out")
@@ -79,28 +79,31 @@ def _spmm_setup_context(ctx, inputs, output):
     ctx.geometry = (m, k, gt_h, gt_w)
 
 
-def _tca_bme_bands(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
-    """(r0, r1, W[r0:r1]) over the weight's rows, in bands of whole GroupTile rows: GroupTiles are
-    stored row-major, so a band's bitmap words and offsets are contiguous slices. The CUDA decoder
-    reads each run at its offset into ``values`` as given (clamped to its length), so a band
-    passes all of ``values`` and its own offsets, with no sync; the CPU reference wants runs that
-    start at 0, so there a band's values are sliced and its offsets rebased."""
-    rows = band_rows(m, k, gt_h)
+def _tca_bme_band_arrays(bitmap, values, gtile_offset, m, k, gt_h, gt_w, rows):
+    """(r0, r1, bitmap, values, offsets) of W[r0:r1] for bands of ``rows`` rows (whole GroupTile
+    rows): GroupTiles are stored row-major, so a band's bitmap words and offsets are contiguous
+    slices. The CUDA decoder reads each run at its offset into ``values`` as given (clamped to its
+    length), so a band passes all of ``values`` and its own offsets, with no sync; the CPU decoder
+    wants runs that start at 0, so there a band's values are sliced and its offsets rebased."""
     per_row = -(-k // gt_w)  # GroupTiles in one GroupTile row
     words = gt_h * gt_w // 64  # bitmap words in one GroupTile
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         g0, g1 = r0 // gt_h * per_row, -(-r1 // gt_h) * per_row
         if rows >= m:
-            band_bitmap, band_values, band_offsets = bitmap, values, gtile_offset
+            yield r0, r1, bitmap, values, gtile_offset
         elif values.is_cuda:
-            band_bitmap, band_values, band_offsets = bitmap[g0 * words:g1 * words], values, gtile_offset[g0:g1 + 1]
+            yield r0, r1, bitmap[g0 * words:g1 * words], values, gtile_offset[g0:g1 + 1]
         else:
             v0, v1 = int(gtile_offset[g0]), int(gtile_offset[g1])
-            band_bitmap, band_values = bitmap[g0 * words:g1 * words], values[v0:v1]
-            band_offsets = gtile_offset[g0:g1 + 1] - v0
-        yield r0, r1, torch.ops.spinfer.tca_bme_to_dense(band_bitmap, band_values, band_offsets, r1 - r0, k, gt_h,
-                                                         gt_w)
+            yield r0, r1, bitmap[g0 * words:g1 * words], values[v0:v1], gtile_offset[g0:g1 + 1] - v0
+
+
+def _tca_bme_bands(bitmap, values, gtile_offset, m, k, gt_h, gt_w):
+    """(r0, r1, W[r0:r1]) over the weight's rows for backward, in bands of band_rows rows."""
+    for r0, r1, b, v, off in _tca_bme_band_arrays(bitmap, values, gtile_offset, m, k, gt_h, gt_w,
+                                                  band_rows(m, k, gt_h)):
+        yield r0, r1, torch.ops.spinfer.tca_bme_to_dense(b, v, off, r1 - r0, k, gt_h, gt_w)
 
 
 def _spmm_backward(ctx, grad):

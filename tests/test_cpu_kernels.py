@@ -399,21 +399,37 @@ def test_a_few_tokens_multiply_straight_from_the_low_bit_arrays(lib, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits, group_size", [(4, 32), (1, 32)])  # both unpacks
-def test_a_nan_scale_spoils_its_rows_in_the_direct_kernel_as_in_the_reference(lib, bits, group_size, dtype):
-    m, k = 70, 256
+@pytest.mark.parametrize("bits, group_size, k", [(4, 32, 256), (1, 32, 256), (4, None, 1001)])  # both unpacks
+def test_a_nan_scale_spoils_its_rows_in_the_direct_kernel_as_in_the_reference(lib, bits, group_size, k, dtype):
+    m = 70
     q = LowBitWeight.quantize(torch.randn(m, k, dtype=dtype), bits, group_size)
     scales = q.scales.clone()
-    scales[5, 1] = float("nan")
+    scales[5, -1] = float("nan")
     scales[9, 0] = float("inf")
     q = LowBitWeight(q.qweight, scales, q.zeros, bits, group_size, (m, k))
     x = torch.randn(2, k, dtype=dtype)
-    y = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, bits, group_size, m, k)
+    y = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, bits, q.group_size, m, k)
     ref = x.double() @ lowbit_reference(q).double().t()
     assert torch.equal(y.isnan(), ref.isnan()) and bool(y[:, 5].isnan().all())
     finite = ~ref.isnan()
     assert torch.equal(y[finite].isinf(), ref[finite].isinf())
     rows = [r for r in range(m) if r not in (5, 9)]
+    assert_float32_sum(y[:, rows], x, lowbit_reference(q)[rows])
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_an_infinite_scale_gives_inf_not_nan_through_the_padding_columns(lib, bits):
+    # One group a row over K = 1001: the words that straddle K are unpacked whole, and their
+    # padding columns must be zeros, not (0 - zero) * inf = NaN (times x's zero padding: NaN).
+    m, k = 64, 1001
+    q = LowBitWeight.quantize(torch.rand(m, k, dtype=torch.float16) + 1, bits, None)  # zero 0, every q > 0
+    scales = q.scales.clone()
+    scales[3, 0] = float("inf")
+    q = LowBitWeight(q.qweight, scales, q.zeros, bits, None, (m, k))
+    x = torch.rand(2, k, dtype=torch.float16) + 0.5
+    y = cpu_kernels.lowbit_spmm(x, q.qweight, q.scale_zero, bits, k, m, k)
+    assert bool((y[:, 3] == float("inf")).all())
+    rows = [r for r in range(m) if r != 3]
     assert_float32_sum(y[:, rows], x, lowbit_reference(q)[rows])
 
 

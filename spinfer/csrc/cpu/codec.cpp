@@ -519,6 +519,13 @@ void dequantize_chunk_slots(const LowBit& w, int64_t row, int64_t c0, const Chun
             _mm_store_ps(out + 4 * p, round_to_dtype<kBf16>(v));
         }
     }
+    // A word that straddles k (one group a row, k not a multiple of its span) computed its padding
+    // columns too: zeros there, as the column-order path, so that an infinite scale cannot put
+    // inf * 0 = NaN into the sums through them.
+    if (c0 + 128 > k) {
+        const uint8_t* const slot = kXSlot[__builtin_ctz(static_cast<unsigned>(kBits))].data();
+        for (int64_t c = k - c0; c < 128; ++c) wf[slot[c]] = 0.0f;
+    }
 }
 #endif
 

@@ -560,23 +560,37 @@ ChunkGroups chunk_groups(const LowBit& w) {
 }
 #endif
 
+// `count` fp16 or bf16 values (their 16-bit patterns) widened to float32: F16C 4 at a time where
+// present.
+inline void widen(const uint16_t* src, int64_t count, bool bf16, float* dst) {
+    int64_t c = 0;
+#ifdef __F16C__
+    if (!bf16) {
+        for (; c + 4 <= count; c += 4) {
+            _mm_storeu_ps(dst + c, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c))));
+        }
+    }
+#endif
+    for (; c < count; ++c) dst[c] = bf16 ? bf16_to_float(src[c]) : fp16_to_float(src[c]);
+}
+
 // Rows [row0, row1) of y[N, M] = x[N, Kp] W^T in float32, straight from the low-bit arrays: each
 // 128-column chunk of a row dequantized as the reference dequantizes it (so the weight's values
 // are the reference's) into float32, then multiplied by each token's x into independent partial
 // sums (4 of 8 with AVX, 4 of 4 with SSE2). x is float32, zero-padded to Kp (k rounded up to
-// 128), its rows ldx apart; with `groups` (SSE2, one group a word) the chunk is unpacked four
+// 128); with `groups` (SSE2, one group a word) the chunk is unpacked four
 // words at a time in slot order and x comes permuted to match (kXSlot), else it is unpacked value
 // by value into column order (dequantize_chunk). (Four rows at a time, loading each token's x
 // slice once for all four, measured no faster: 4096x4096, 1-16 tokens, 2-8 bits.)
 template <int kBits, bool kBf16>
-void lowbit_spmm_rows(const LowBit& w, const float* x, int64_t ldx, int64_t n, int64_t row0, int64_t row1,
-                      float* y, [[maybe_unused]] const ChunkGroups* groups) {
+void lowbit_spmm_rows(const LowBit& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y,
+                      [[maybe_unused]] const ChunkGroups* groups) {
 #if defined(__AVX__)
     constexpr int kAcc = 32;
 #else
     constexpr int kAcc = 16;
 #endif
-    const int64_t k = w.k;
+    const int64_t k = w.k, kp = (k + 127) / 128 * 128;
     alignas(16) uint16_t chunk[128];
     alignas(32) float wf[128];
     std::vector<float> acc(static_cast<size_t>(n * kAcc));
@@ -591,20 +605,10 @@ void lowbit_spmm_rows(const LowBit& w, const float* x, int64_t ldx, int64_t n, i
             {
                 std::fill(chunk, chunk + 128, uint16_t(0));  // columns past k: zero weights (x is zero there too)
                 dequantize_chunk<kBits, kBf16>(w, row, c0, chunk);
-#ifdef __F16C__
-                if constexpr (!kBf16) {
-                    for (int c = 0; c < 128; c += 4) {
-                        _mm_store_ps(wf + c,
-                                     _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + c))));
-                    }
-                } else
-#endif
-                {
-                    for (int c = 0; c < 128; ++c) wf[c] = kBf16 ? bf16_to_float(chunk[c]) : fp16_to_float(chunk[c]);
-                }
+                widen(chunk, 128, kBf16, wf);
             }
             for (int64_t t = 0; t < n; ++t) {
-                const float* xt = x + t * ldx + c0;
+                const float* xt = x + t * kp + c0;
                 float* a = acc.data() + kAcc * t;
 #if defined(__AVX__)
                 __m256 s[4];
@@ -653,12 +657,12 @@ void dequantize_rows_of(const LowBit& w, int64_t row0, int64_t row1, uint16_t* o
 }
 
 template <int kBits>
-void lowbit_spmm_rows_of(const LowBit& w, const float* x, int64_t ldx, int64_t n, int64_t row0, int64_t row1,
-                         float* y, const ChunkGroups* groups) {
+void lowbit_spmm_rows_of(const LowBit& w, const float* x, int64_t n, int64_t row0, int64_t row1, float* y,
+                         const ChunkGroups* groups) {
     if (w.bf16) {
-        lowbit_spmm_rows<kBits, true>(w, x, ldx, n, row0, row1, y, groups);
+        lowbit_spmm_rows<kBits, true>(w, x, n, row0, row1, y, groups);
     } else {
-        lowbit_spmm_rows<kBits, false>(w, x, ldx, n, row0, row1, y, groups);
+        lowbit_spmm_rows<kBits, false>(w, x, n, row0, row1, y, groups);
     }
 }
 
@@ -754,18 +758,8 @@ bool spmm_rows(const TcaBme& w, const float* x, int64_t n, int64_t row0, int64_t
 // called alone, 16.4 ms right after such a copy).
 void widen_rows(const uint16_t* x, int64_t n, int64_t k, bool bf16, float* out, int64_t ld) {
     for (int64_t t = 0; t < n; ++t) {
-        const uint16_t* src = x + t * k;
-        float* dst = out + t * ld;
-        int64_t c = 0;
-#ifdef __F16C__
-        if (!bf16) {
-            for (; c + 4 <= k; c += 4) {
-                _mm_storeu_ps(dst + c, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c))));
-            }
-        }
-#endif
-        for (; c < k; ++c) dst[c] = bf16 ? bf16_to_float(src[c]) : fp16_to_float(src[c]);
-        std::fill(dst + k, dst + ld, 0.0f);
+        widen(x + t * k, k, bf16, out + t * ld);
+        std::fill(out + t * ld + k, out + (t + 1) * ld, 0.0f);
     }
 }
 
@@ -915,15 +909,13 @@ int spinfer_lowbit_spmm(const uint32_t* qweight, const uint16_t* scale_zero, int
 #else
     const ChunkGroups* const g = nullptr;
 #endif
-    const float* const xin = xf.data();
-    const int64_t ldx = kp;
     parallel_rows((m + 63) / 64, threads, [&](int64_t a, int64_t b) {
         const int64_t r0 = a * 64, r1 = std::min(m, b * 64);
         switch (bits) {
-            case 1: lowbit_spmm_rows_of<1>(w, xin, ldx, n, r0, r1, y, g); break;
-            case 2: lowbit_spmm_rows_of<2>(w, xin, ldx, n, r0, r1, y, g); break;
-            case 4: lowbit_spmm_rows_of<4>(w, xin, ldx, n, r0, r1, y, g); break;
-            default: lowbit_spmm_rows_of<8>(w, xin, ldx, n, r0, r1, y, g); break;
+            case 1: lowbit_spmm_rows_of<1>(w, xf.data(), n, r0, r1, y, g); break;
+            case 2: lowbit_spmm_rows_of<2>(w, xf.data(), n, r0, r1, y, g); break;
+            case 4: lowbit_spmm_rows_of<4>(w, xf.data(), n, r0, r1, y, g); break;
+            default: lowbit_spmm_rows_of<8>(w, xf.data(), n, r0, r1, y, g); break;
         }
         return true;
     });

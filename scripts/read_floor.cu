@@ -25,7 +25,9 @@
 //              g128 and 2-bit g64): rows g and g + 8 of each lane's quad, a stage's words of each,
 //              from the format-2 layout [M, G] (16 rows a stage, one 32-byte sector each) or from
 //              a [M/16, G, 16] layout, whose 16 rows of a stage are 64 contiguous bytes, as in the
-//              64-row tiles the format stores since the forty-seventh session (lowbit_mm.h, sz_word).
+//              64-row tiles the format stored from the forty-seventh session to the sixty-seventh
+//              (format 3; the records of format 4 hold a 16-row block's scales in 32 bytes and
+//              its zeros in 8 or 32: lowbit_mm.h, record_word).
 // The other GEMV variants read the weights only; `stream` is given the weights and also the weights
 // plus the (scale, zero) words (4 bytes a group), the bytes the GEMV moves.
 #include <algorithm>

@@ -60,6 +60,8 @@ for bits in (1, 2, 4, 8):
             # the launch that checks each segment's zeros (lowbit_mm passes integer_zeros=True here)
             torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, q.group_size, m, k, None, None, 0,
                                             False, out=out)
+            # the records with their zeros in the dtype (fractional ones, HQQ's), not 4-bit ones
+            spinfer.lowbit_mm(x, LowBitWeight(q.qweight, q.scales, q.zeros + 0.5, bits, group, (m, k)), out=out)
 # row pairs (128-row blocks): a last pair without its second row block (M = 4097, 70), split and not
 os.environ["SPINFER_LOWBIT_PAIRS"] = "1"
 for bits in (1, 2, 4, 8):
@@ -125,6 +127,8 @@ for dt in (torch.float16, torch.bfloat16):
         torch.ops.spinfer.tca_bme_to_dense(enc.bitmap, enc.values, off, 130, 1001, 64, 64)
     for bits in (1, 2, 4, 8):
         for k, group in ((1000, None), (1152, 32), (1280, 256)):
-            spinfer.ops.lowbit_to_dense(LowBitWeight.quantize(torch.randn(70, k, device="cuda").to(dt), bits, group))
+            q = LowBitWeight.quantize(torch.randn(70, k, device="cuda").to(dt), bits, group)
+            spinfer.ops.lowbit_to_dense(q)
+            spinfer.ops.lowbit_to_dense(LowBitWeight(q.qweight, q.scales, q.zeros + 0.5, bits, group, (70, k)))
 torch.cuda.synchronize()
 print("sanitize cases ran")

@@ -69,8 +69,11 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&qw, size_t(m) * k / 2));
     CHECK(cudaMemset(qw, 0x37, size_t(m) * k / 2));
     CHECK(cudaMalloc(&sz, size_t(m) * groups * 4));
-    std::vector<uint32_t> pairs(size_t(m) * groups, 0x4800211fu);  // (scale 0.01, zero 8) as halves
-    CHECK(cudaMemcpy(sz, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice));
+    // format 4 records with the zeros in the dtype (lowbit_mm.h): per 64-row tile and group 32 words of
+    // scales (0.01) then 32 of zeros (8), m * groups * 4 bytes in all
+    std::vector<uint32_t> records(size_t(m) * groups);
+    for (size_t i = 0; i < records.size(); ++i) records[i] = i % 64 < 32 ? 0x211f211fu : 0x48004800u;
+    CHECK(cudaMemcpy(sz, records.data(), records.size() * 4, cudaMemcpyHostToDevice));
     CHECK(cudaMalloc(&x, size_t(n) * k * 2));
     std::vector<uint16_t> ones(size_t(n) * k, 0x3c00);
     CHECK(cudaMemcpy(x, ones.data(), size_t(n) * k * 2, cudaMemcpyHostToDevice));
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
     a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
     a.m = m, a.n = n, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
     a.rotate = lowbit_rotate();  // as the library: SPINFER_LOWBIT_ROTATE=0 turns it off
+    a.record_words = record_words(false);  // (lowbit_mm_run sets it in the library)
     LowbitPlan p{};
     p.bn = bn, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
     const BalancedGrid g =

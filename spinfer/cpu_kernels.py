@@ -36,7 +36,7 @@ from .cache import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "codec.cpp"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-ABI_VERSION = 6  # spinfer_cpu_abi_version() of the source above
+ABI_VERSION = 7  # spinfer_cpu_abi_version() of the source above
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -107,7 +107,8 @@ def _load(path: Path) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.spinfer_tca_bme_decode.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     lib.spinfer_tca_bme_decode.restype = ctypes.c_int
-    lib.spinfer_lowbit_dequantize.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr, ctypes.c_int]
+    lib.spinfer_lowbit_dequantize.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int, ctypes.c_int, ptr,
+                                              ctypes.c_int]
     lib.spinfer_lowbit_dequantize.restype = ctypes.c_int
     lib.spinfer_tca_bme_count.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
     lib.spinfer_tca_bme_count.restype = ctypes.c_int
@@ -116,8 +117,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.spinfer_tca_bme_spmm.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64, ptr,
                                          ctypes.c_int]
     lib.spinfer_tca_bme_spmm.restype = ctypes.c_int
-    lib.spinfer_lowbit_spmm.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr, i64, ptr,
-                                        ctypes.c_int]
+    lib.spinfer_lowbit_spmm.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int, ctypes.c_int, ptr, i64,
+                                        ptr, ctypes.c_int]
     lib.spinfer_lowbit_spmm.restype = ctypes.c_int
     lib.spinfer_round_floats.argtypes = [ptr, i64, ctypes.c_int, ptr]
     lib.spinfer_round_floats.restype = None
@@ -259,10 +260,11 @@ def lowbit_dequantize(qweight: torch.Tensor, scale_zero: torch.Tensor, bits: int
     lib = library()
     if lib is None or qweight.device.type != "cpu":
         return None
-    qweight, scale_zero = _check_lowbit(qweight, scale_zero, bits, group_size, m, k)
+    qweight, scale_zero, nibble = _check_lowbit(qweight, scale_zero, bits, group_size, m, k)
     out = torch.empty((m, k), dtype=scale_zero.dtype)
     rc = lib.spinfer_lowbit_dequantize(qweight.data_ptr(), scale_zero.data_ptr(), m, k, bits, group_size,
-                                       int(scale_zero.dtype == torch.bfloat16), out.data_ptr(), _threads())
+                                       int(scale_zero.dtype == torch.bfloat16), nibble,
+                                       out.data_ptr(), _threads())
     if rc != 0:
         raise ValueError(f"the CPU dequantizer refused a {m}x{k} {bits}-bit weight (code {rc})")
     return out
@@ -277,12 +279,12 @@ def lowbit_spmm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor
     lib = library()
     if lib is None or qweight.device.type != "cpu":
         return None
-    qweight, scale_zero = _check_lowbit(qweight, scale_zero, bits, group_size, m, k)
+    qweight, scale_zero, nibble = _check_lowbit(qweight, scale_zero, bits, group_size, m, k)
     x = _check_x(x, k, scale_zero.dtype)
     y = torch.empty((x.shape[0], m), dtype=torch.float32)
     rc = lib.spinfer_lowbit_spmm(qweight.data_ptr(), scale_zero.data_ptr(), m, k, bits, group_size,
-                                 int(scale_zero.dtype == torch.bfloat16), x.data_ptr(), x.shape[0], y.data_ptr(),
-                                 _threads())
+                                 int(scale_zero.dtype == torch.bfloat16), nibble, x.data_ptr(),
+                                 x.shape[0], y.data_ptr(), _threads())
     if rc != 0:
         raise ValueError(f"the CPU low-bit kernel refused a {m}x{k} {bits}-bit weight (code {rc})")
     return y
@@ -301,16 +303,18 @@ def _check_x(x: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _check_lowbit(qweight, scale_zero, bits: int, group_size: int, m: int, k: int):
     """The arrays' dtypes and shapes against an ``m x k`` weight (the C++ side reads exactly these
-    sizes); the arrays, contiguous."""
-    from .quant.lowbit import qweight_shape  # (the quant package imports the ops, which import this)
+    sizes); the arrays, contiguous, and 1 where the records hold 4-bit zeros (else 0)."""
+    from .quant.lowbit import RECORD_DTYPE_ZEROS, RECORD_NIBBLE_ZEROS, qweight_shape  # (the quant package imports
+    # the ops, which import this)
 
     if bits not in (1, 2, 4, 8) or group_size < 1 or k % group_size:
         raise ValueError(f"cannot dequantize {bits}-bit weights in groups of {group_size} over K = {k}")
     if qweight.dtype != torch.int32 or scale_zero.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qweight must be int32 and scale_zero fp16 or bf16, got {qweight.dtype} and "
                         f"{scale_zero.dtype}")
-    if (tuple(qweight.shape) != qweight_shape(m, k, bits)
-            or tuple(scale_zero.shape) != (-(-m // 64), k // group_size, 64, 2)):
+    widths = (RECORD_NIBBLE_ZEROS, RECORD_DTYPE_ZEROS) if bits <= 4 else (RECORD_DTYPE_ZEROS,)
+    if (tuple(qweight.shape) != qweight_shape(m, k, bits) or scale_zero.dim() != 3
+            or tuple(scale_zero.shape[:2]) != (-(-m // 64), k // group_size) or scale_zero.shape[2] not in widths):
         raise ValueError(f"qweight {tuple(qweight.shape)} and scale_zero {tuple(scale_zero.shape)} do not fit a "
                          f"{m}x{k} {bits}-bit weight in groups of {group_size}")
-    return qweight.contiguous(), scale_zero.contiguous()
+    return qweight.contiguous(), scale_zero.contiguous(), int(scale_zero.shape[2] == RECORD_NIBBLE_ZEROS)

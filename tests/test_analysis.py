@@ -13,6 +13,7 @@ import torch
 from spinfer.analysis import compression as C
 from spinfer.analysis import roofline as R
 from spinfer.bench.__main__ import main as bench_main
+from spinfer.quant import LowBitWeight
 from spinfer.format import TCABME
 
 DOCS_CSV = Path(__file__).resolve().parents[1] / "docs" / "spmm-h100-2026-11-22.csv"
@@ -41,7 +42,7 @@ def test_measured_sizes_match_closed_forms_and_scipy_objects():
     enc = TCABME.from_dense(w)
     assert b["tca-bme"] == enc.storage_bytes().total
     assert b["tca-bme-eq9"] == enc.storage_bytes().eq9
-    assert b["w4-g128"] == m * k // 2 + 4 * m * math.ceil(k / 128)
+    assert b["w4-g128"] == m * k // 2 + 2.5 * m * math.ceil(k / 128)  # fp16 scales, 4-bit zeros
     # SparTA: the expectation matches the count on a large random matrix
     big = C.format_bytes(sparse_weight(512, 1024, 0.5))
     assert big["sparta-expected"] == pytest.approx(big["sparta"], rel=0.01)
@@ -108,8 +109,14 @@ def test_roofline_lowbit_points(tmp_path):
     # Closed form: 4-bit g128 on 4096x4096 at N=1 moves 8 MiB of integers, 512 KiB of scale/zero
     # pairs, x and y.
     m = k = 4096
-    assert lowbit_bytes(m, k, 4, 128) == m * k // 2 + 4 * m * (k // 128)
-    assert R.intensity_lowbit(m, k, 1, 4, 128) == pytest.approx(2 * m * k / (m * k / 2 + 4 * m * 32 + 2 * k + 2 * m))
+    assert lowbit_bytes(m, k, 4, 128) == m * k // 2 + 2.5 * m * (k // 128)
+    assert lowbit_bytes(m, k, 4, 128, integer_zeros=False) == lowbit_bytes(m, k, 8, 128) - m * k // 2 == \
+        m * k // 2 + 4 * m * (k // 128)
+    assert R.intensity_lowbit(m, k, 1, 4, 128) == pytest.approx(2 * m * k / (m * k / 2 + 2.5 * m * 32 + 2 * k + 2 * m))
+    # the format's own sizes, rows that fill whole tiles: RTN's zeros are 4-bit integers
+    for bits, g in ((4, 128), (2, 64), (8, 128)):
+        q = LowBitWeight.quantize(torch.randn(128, 512).half(), bits, g)
+        assert q.storage_bytes().total == lowbit_bytes(128, 512, bits, g), (bits, g)
     assert R.intensity_lowbit(m, k, 8, 2, 64) > R.intensity_lowbit(m, k, 8, 4, 128) > R.intensity_dense(m, k, 8)
     with pytest.raises(ValueError, match="bits"):
         R.intensity_lowbit(m, k, 1, 3, 128)

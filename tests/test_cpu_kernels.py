@@ -439,12 +439,13 @@ def test_the_low_bit_direct_kernel_takes_groups_the_layers_do_not(lib):
     from spinfer.quant.lowbit import pack, tile_scale_zero
 
     m, k = 70, 256
-    for bits, g in ((8, 16), (8, 8), (4, 16), (2, 16)):
+    for bits, g, frac in ((8, 16, 0.0), (8, 8, 0.0), (4, 16, 0.0), (2, 16, 0.0), (4, 16, 0.25)):
         q = torch.randint(0, 1 << bits, (m, k), dtype=torch.uint8)
         scale = (torch.rand(m, k // g) + 0.5).half()
-        zero = torch.randint(0, 1 << bits, (m, k // g)).half()
+        zero = (torch.randint(0, 1 << bits, (m, k // g)) + frac).half()  # 4-bit records, or (frac) the dtype's
         qweight = pack(q, bits)
-        scale_zero = tile_scale_zero(torch.stack([scale, zero], -1))
+        scale_zero = tile_scale_zero(torch.stack([scale, zero], -1), bits)
+        assert scale_zero.shape[-1] == (80 if bits <= 4 and not frac else 128)
         w = ((q.float().reshape(m, k // g, g) - zero.float()[..., None]) * scale.float()[..., None]).reshape(m, k)
         x = torch.randn(3, k, dtype=torch.float16)
         y = cpu_kernels.lowbit_spmm(x, qweight, scale_zero, bits, g, m, k)

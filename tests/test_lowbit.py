@@ -184,14 +184,17 @@ def test_bad_input():
 def test_state_dict_repr_storage_and_empty_batch():
     w = torch.randn(24, 512).bfloat16()
     qweight, scales, qzeros, g_idx, _ = random_gptq(512, 24, 4, 128, True)
-    for q in (LowBitWeight.quantize(w, 2, 64), LowBitWeight.from_gptq(qweight, scales, qzeros, g_idx=g_idx)):
+    frac = LowBitWeight.from_hqq(torch.randint(0, 16, (24, 512)), torch.rand(24, 4), torch.rand(24, 4) * 15, 4, 128,
+                                 (24, 512))
+    for q in (LowBitWeight.quantize(w, 2, 64), LowBitWeight.from_gptq(qweight, scales, qzeros, g_idx=g_idx), frac):
         back = LowBitWeight.from_state_dict(q.state_dict())
         assert torch.equal(back.dequantize(), q.dequantize())
         st = q.storage_bytes()
         arrays = [q.qweight, q.scale_zero] + ([q.perm] if q.perm is not None else [])
         assert st.total == sum(t.numel() * t.element_size() for t in arrays)
         assert st.qweight == 64 * 512 * q.bits // 8  # M padded to a 64-row tile, K=512 needs none
-        assert st.scales == st.zeros == 64 * (512 // q.group_size) * 2  # and so are the scales and zeros
+        assert st.scales == 64 * (512 // q.group_size) * 2  # and so are the scales and zeros: 4-bit ones
+        assert st.zeros == 64 * (512 // q.group_size) * (2 if q.scale_zero.shape[-1] == 128 else 0.5)
         assert q.compression_ratio == pytest.approx(2 * 24 * 512 / st.total)
         assert "LowBitWeight(shape=(24, 512)" in repr(q)
         assert spinfer.lowbit_mm(torch.randn(0, 512).to(q.dtype), q).shape == (0, 24)
@@ -214,25 +217,28 @@ def test_op_registration_and_compile():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_integer_zeros_are_those_the_kernel_subtracts_exactly(dtype):
-    """LowBitWeight.integer_zeros lets the fused kernel skip its zero-point check, so it must be
-    false for any zero outside the set that check accepts: integers with magic + z exact in the
-    dtype (fp16 [-1024, 1023], bf16 [-128, 127]), and at 8 bits in bf16, where the kernel splits q
-    and z at bit 7, [0, 255]."""
-    lim = 1024 if dtype == torch.float16 else 128
+    """LowBitWeight.integer_zeros lets the kernels skip their zero-point check, so it must be false
+    for any zero outside the set they decode unchecked. At 1, 2 and 4 bits: the records' 4-bit zeros,
+    so integers in [0, 15] (others, integers or not, keep the zeros in the dtype and take the
+    check). At 8 bits: integers with magic + z exact in the dtype (fp16 [-1024, 1023]), and in
+    bf16, where the kernel splits q and z at bit 7, [0, 255]."""
 
     def flag(zero, bits=4):
         sz = torch.stack((torch.ones(len(zero)), torch.tensor(zero, dtype=torch.float32)), -1)
-        return exact_integer_zeros(sz[:, None].to(dtype), bits)
+        return exact_integer_zeros(tile_scale_zero(sz[:, None].to(dtype), bits), bits)
 
-    assert flag([0.0, 3.0, lim - 1.0, -float(lim)])
-    for bad in (0.5, -2.25, float(lim), -lim - 1.0, 3 * lim, float("nan"), float("inf"), -float("inf")):
-        assert not flag([1.0, bad]), bad
+    for bits in (1, 2, 4):
+        assert flag([0.0, 3.0, 15.0], bits)
+        for bad in (0.5, -1.0, 16.0, -2.25, 1000.0, float("nan"), float("inf"), -float("inf")):
+            assert not flag([1.0, bad], bits), (bits, bad)
     assert flag([0.0, 0.0, 5.0, 127.0, 128.0, 255.0], bits=8)
     for bad in (-1.0, 256.0, 127.5, float("nan")):  # -1 and 256 are fine in fp16, not in bf16
         assert flag([1.0, bad], bits=8) == (dtype == torch.float16 and bad in (-1.0, 256.0)), bad
+    assert flag([-1024.0, 1023.0], bits=8) == (dtype == torch.float16)
     for bits in BITS:  # RTN stores integer zeros in [0, 2^bits - 1]
         q = LowBitWeight.quantize(torch.randn(70, 512).to(dtype), bits, 64)
         assert q.integer_zeros and bool(q.zeros.any()), bits
+        assert q.scale_zero.shape[-1] == (80 if bits <= 4 else 128), bits
     frac = LowBitWeight.from_hqq(torch.randint(0, 16, (8, 256)), torch.rand(8, 4).to(dtype),
                                  (torch.rand(8, 4) * 15 + 0.1).to(dtype), 4, 64, (8, 256))
     assert frac.cached_integer_zeros() is None and not frac.integer_zeros
@@ -240,19 +246,24 @@ def test_integer_zeros_are_those_the_kernel_subtracts_exactly(dtype):
 
 
 def test_integer_zeros_follow_in_place_edits_and_new_tensors():
-    """A stale True would let the kernel skip the check that fractional zeros need: the cache
-    follows scale_zero's version counter (views share it) and the tensor's identity."""
-    q = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 64)
+    """A stale True would let the kernel skip the check that fractional zeros need: at 8 bits the
+    cache follows scale_zero's version counter (views share it) and the tensor's identity. At 1,
+    2 and 4 bits the records' width decides, which no edit changes."""
+    q = LowBitWeight.quantize(torch.randn(64, 256).half(), 8, 64)
     assert q.integer_zeros and q.cached_integer_zeros() is True
-    q.scale_zero[0, 1, 3, 1] += 0.5  # in place: row 3, group 1, through a view
+    q.scale_zero[0, 1, 64 + 3] += 0.5  # in place: a zero of group 1, through a view
     assert q.cached_integer_zeros() is None and not q.integer_zeros and q.cached_integer_zeros() is False
-    q.scale_zero[..., 1].round_()
+    q.scale_zero[..., 64:].round_()
     assert q.cached_integer_zeros() is None and q.integer_zeros
-    q.scale_zero = tile_scale_zero(torch.stack((q.scales, q.zeros + 0.25), -1))  # another tensor
+    q.scale_zero = tile_scale_zero(torch.stack((q.scales, q.zeros + 0.25), -1), 8)  # another tensor
     assert q.cached_integer_zeros() is None and not q.integer_zeros
-    sd = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 64).scale_zero
+    sd = LowBitWeight.quantize(torch.randn(64, 256).half(), 8, 64).scale_zero
     q.scale_zero.copy_(sd)  # what load_state_dict does to a module's buffer
     assert q.cached_integer_zeros() is None and q.integer_zeros
+    q4 = LowBitWeight.quantize(torch.randn(64, 256).half(), 4, 64)
+    assert q4.integer_zeros
+    q4.scale_zero = tile_scale_zero(torch.stack((q4.scales, q4.zeros + 0.25), -1), 4)
+    assert q4.scale_zero.shape[-1] == 128 and not q4.integer_zeros
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -267,8 +278,9 @@ def test_gptq_zeros_are_integer_zeros(bits):
 
 
 def test_zero_ranges_match_the_kernel():
-    """exact_integer_zeros restates the kernel's exact zero ranges (Num<kBF16>::kZeroLo/Hi in
-    lowbit_mm.cuh, and kZeroLo/Hi<kBF16, BITS> for bf16 at 8 bits); they must not drift apart."""
+    """exact_integer_zeros restates the kernel's exact zero ranges at 8 bits (Num<false>::kZeroLo/Hi
+    in lowbit_mm.cuh for fp16, and kZeroLo/Hi<kBF16, BITS> for bf16 at 8 bits); they must not
+    drift apart."""
     import re
     from pathlib import Path
 
@@ -278,13 +290,12 @@ def test_zero_ranges_match_the_kernel():
     byte = [re.findall(rf"constexpr float {name} = kBF16 && BITS == 8 \? (-?[0-9.]+)f", src) for name in
             ("kZeroLo", "kZeroHi")]
     assert all(len(v) == 1 for v in byte), byte
-    cases = [(lo, hi, dtype, 4) for (lo, hi), dtype in zip(ranges, (torch.float16, torch.bfloat16))]
-    cases.append((byte[0][0], byte[1][0], torch.bfloat16, 8))
-    for lo, hi, dtype, bits in cases:
+    for lo, hi, dtype in ((*ranges[0], torch.float16), (byte[0][0], byte[1][0], torch.bfloat16)):
         lo, hi = float(lo), float(hi)
         sz = torch.tensor([[[1.0, z]] for z in (lo, hi, lo - 1, hi + 1)]).to(dtype)
-        assert exact_integer_zeros(sz[:2], bits) and not exact_integer_zeros(sz[2:3], bits), (dtype, bits)
-        assert not exact_integer_zeros(sz[3:], bits), (dtype, bits)
+        assert exact_integer_zeros(tile_scale_zero(sz[:2], 8), 8), dtype
+        for z in (sz[2:3], sz[3:]):
+            assert not exact_integer_zeros(tile_scale_zero(z, 8), 8), dtype
 
 
 def test_structure_only_check_skips_the_permutation_content():
@@ -348,23 +359,44 @@ def test_lowbit_plan_refuses_bad_arguments():
         lowbit_plan(q, 1, splits=-2)
 
 
-def test_scale_zero_is_stored_in_64_row_tiles():
-    """The kernels address group j of row r at tile r // 64, word (j, r % 64) (sz_word in
-    lowbit_mm.h); padding rows hold zeros, and scales / zeros are [M, K/g] copies."""
+def record_half(r):
+    """The half of a record that holds row r's scale (lowbit.py; scale_word_of in lowbit_mm.h)."""
+    r %= 64
+    return 2 * (8 * (r // 16) + r % 8) + (r % 16) // 8
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.5])
+def test_scale_zero_is_stored_in_64_row_records(frac):
+    """The kernels read group j of row r from the record of tile r // 64 and group j (record_word
+    in lowbit_mm.h): the scale at half 2 (8 b + i) + h for r % 64 = 16 b + i + 8 h, the zero at 64
+    halves on, or as 4 bits of word 32 + i at bit 16 h + 4 b (zero_word_of / zero_shift_of); padding
+    rows hold zeros, and scales / zeros are [M, K/g] copies."""
     m, k, g = 150, 512, 64
     q = LowBitWeight.quantize(torch.randn(m, k).half(), 4, g)
+    if frac:  # fractional zeros: kept in the dtype
+        q = LowBitWeight(q.qweight, q.scales, q.zeros + frac, 4, g, (m, k))
     sz = q.scale_zero
-    assert sz.shape == (3, k // g, 64, 2) and sz.is_contiguous()
+    assert sz.shape == (3, k // g, 128 if frac else 80) and sz.is_contiguous()
     scales, zeros = q.scales, q.zeros
     assert scales.shape == zeros.shape == (m, k // g)
-    for r in (0, 63, 64, 149):
-        for j in (0, k // g - 1):
-            assert sz[r // 64, j, r % 64, 0] == scales[r, j] and sz[r // 64, j, r % 64, 1] == zeros[r, j]
-    assert not bool(sz[2, :, m - 128:].any())  # rows 150..191
-    flat = sz.flatten()  # the word the kernel reads: sz_word(r, G) + 64 j, in 2-element units
-    r, j = 100, 5
-    word = (r // 64) * (k // g) * 64 + r % 64 + 64 * j
-    assert flat[2 * word] == scales[r, j] and flat[2 * word + 1] == zeros[r, j]
+    words = sz[..., 64:].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    for r in (0, 7, 8, 15, 16, 63, 64, 100, 149):
+        for j in (0, 5, k // g - 1):
+            t, rr = r // 64, r % 64
+            assert sz[t, j, record_half(r)] == scales[r, j], (r, j)
+            if frac:
+                assert sz[t, j, 64 + record_half(r)] == zeros[r, j], (r, j)
+            else:
+                b, i, h = rr // 16, rr % 8, (rr % 16) // 8
+                nib = (words[t, j, i] >> (16 * h + 4 * b)) & 15
+                assert nib == zeros[r, j], (r, j)
+    pad = [record_half(r) for r in range(m - 128, 64)]  # rows 150..191
+    assert not bool(sz[2, :, pad].any())
+    if not frac:
+        # rows 16 b + i + 8 h of tile 2 from 22 on: block 1 (bits 4 and 20 on) from i = 6 (h = 0) and all i
+        # (h = 1), and blocks 2 and 3 (bits 8-15 and 24-31) of every word
+        assert not bool((words[2] & 0xFF00FF00).any()) and not bool((words[2] & 0x00F00000).any())
+        assert not bool((words[2, :, 6:] & 0xF0).any())
     scales[0, 0] = 7  # a copy: the weight is unchanged
     assert q.scales[0, 0] != 7
     assert torch.equal(LowBitWeight(q.qweight, scales, zeros, 4, g, (m, k)).scale_zero[0, 1:], sz[0, 1:])
@@ -374,7 +406,7 @@ def test_scales_and_zeros_are_copies_even_with_one_group():
     """Per-channel weights (one group a row) are where a reshape of the tiles would have been a
     view: the properties must still not alias the stored pairs."""
     q = LowBitWeight.quantize(torch.randn(100, 256).half(), 4, None)
-    assert q.scale_zero.shape == (2, 1, 64, 2)
+    assert q.scale_zero.shape == (2, 1, 80)
     scales, zeros = q.scales, q.zeros
     assert scales.shape == zeros.shape == (100, 1)
     assert scales.untyped_storage().data_ptr() != q.scale_zero.untyped_storage().data_ptr()

@@ -9,7 +9,7 @@ import torch
 import spinfer
 from spinfer.ops.lowbit_mm import fused_max_n, lowbit_plan
 from spinfer.quant import LowBitWeight
-from spinfer.quant.lowbit import restore_k_order, unpack, untile_scale_zero
+from spinfer.quant.lowbit import restore_k_order, tile_scale_zero, unpack, untile_scale_zero
 from tests.conftest import count_entry_point_calls, rel_err, seen_ops
 from tests.test_lowbit import random_gptq
 
@@ -516,8 +516,9 @@ def test_integer_zeros_flag_skips_only_the_check(dtype):
     for bits in BITS:
         q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dtype), bits, 64)
         if bits == 8:  # zeros on both sides of 128 (bf16 splits them at bit 7), the range's ends
-            q.scale_zero[..., 1].copy_(torch.randint(0, 256, q.scale_zero.shape[:-1], device="cuda"))
-            q.scale_zero[0, :, :4, 1] = torch.tensor([0.0, 127.0, 128.0, 255.0], device="cuda")  # rows 0-3
+            zeros = q.scale_zero[..., 64:]  # in the records' order: rows 0-3 at halves 0, 2, 4, 6
+            zeros.copy_(torch.randint(0, 256, zeros.shape, device="cuda"))
+            zeros[0, :, 0:8:2] = torch.tensor([0.0, 127.0, 128.0, 255.0], device="cuda")
         assert q.integer_zeros, bits
         for n in (1, 16, 40):
             x = torch.randn(n, k, device="cuda").to(dtype)
@@ -530,6 +531,30 @@ def test_integer_zeros_flag_skips_only_the_check(dtype):
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), (bits, n)
             assert rel_err(outs[1], reference(x, q)) <= TOL[dtype], (bits, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_records_of_either_width_at_low_widths(dtype):
+    """At 1, 2 and 4 bits zeros that are not 4-bit integers keep the dtype's records: integers
+    outside [0, 15] (GPTQ's zero of 16, negative ones) and fractional ones both take the checked
+    path, exact; and the launch takes its path from the records, whatever flag a direct call
+    passes, so integer_zeros=True on fractional zeros cannot skip the sum(x) correction."""
+    m, k = 200, 768
+    for bits in (1, 2, 4):
+        top = (1 << bits) - 1
+        w_q = torch.randint(0, top + 1, (m, k), device="cuda")
+        scale = (torch.rand(m, k // 64, device="cuda") * 0.02 + 0.001).to(dtype)
+        for zero in (torch.randint(-3, 20, (m, k // 64), device="cuda").float(),  # integers, some outside
+                     torch.rand(m, k // 64, device="cuda") * top):  # fractional
+            q = LowBitWeight.from_hqq(w_q, scale, zero.to(dtype), bits, 64, (m, k))
+            assert q.scale_zero.shape[-1] == 128 and not q.integer_zeros
+            for n in (1, 8, 40):
+                x = torch.randn(n, k, device="cuda").to(dtype)
+                for flag in (False, True):
+                    out = torch.full((n, m), float("nan"), device="cuda", dtype=dtype)
+                    torch.ops.spinfer.lowbit_mm_out(x, q.qweight, q.scale_zero, bits, 64, m, k, None, None, 0, flag,
+                                                    out=out)
+                    assert rel_err(out, exact_reference(x, q)) <= TOL[dtype], (bits, n, flag)
 
 
 def test_lowbit_mm_learns_the_flag_eagerly_and_never_syncs_while_capturing():
@@ -553,34 +578,44 @@ def test_lowbit_mm_learns_the_flag_eagerly_and_never_syncs_while_capturing():
     assert rel_err(spinfer.lowbit_mm(x, frac), reference(x, frac)) <= 2e-3 and frac.cached_integer_zeros() is False
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_in_place_zero_edits_take_the_checked_path_again(bits):
     """A weight whose cached flag said "integer zeros" and whose zeros then turn fractional in
     place (an HQQ state_dict loaded into a SparseLinear, or any in-place edit) must not launch the
-    unchecked kernel: its output would skip the sum(x) correction."""
+    unchecked kernel: its output would skip the sum(x) correction. In place that is possible at 8
+    bits; at 1, 2 and 4 bits the zeros are 4-bit integers, and fractional ones come as records of
+    another width, which load_state_dict takes."""
     x = torch.randn(5, 512, device="cuda").half()
     q = LowBitWeight.quantize(torch.randn(200, 512, device="cuda").half(), bits, 64)
     assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is True
-    zeros = q.scale_zero[..., 1]  # a view of the stored tiles
-    zeros.add_(torch.rand_like(zeros) * 0.9 + 0.05)  # fractional now
-    assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is False
-    g = torch.cuda.CUDAGraph()
-    zeros.add_(0.5)  # a capture after an edit takes the checked path without syncing
-    with torch.cuda.graph(g):
-        y = spinfer.lowbit_mm(x, q)
-    g.replay()
-    assert q.cached_integer_zeros() is None and rel_err(y, reference(x, q)) <= 2e-3
+    if bits == 8:
+        zeros = q.scale_zero[..., 64:]  # a view of the stored records' zeros
+        zeros.add_(torch.rand_like(zeros) * 0.9 + 0.05)  # fractional now
+        assert rel_err(spinfer.lowbit_mm(x, q), reference(x, q)) <= 2e-3 and q.cached_integer_zeros() is False
+        g = torch.cuda.CUDAGraph()
+        zeros.add_(0.5)  # a capture after an edit takes the checked path without syncing
+        with torch.cuda.graph(g):
+            y = spinfer.lowbit_mm(x, q)
+        g.replay()
+        assert q.cached_integer_zeros() is None and rel_err(y, reference(x, q)) <= 2e-3
 
-    # The module path: load_state_dict copies into the buffers in place and drops the module's
-    # cached LowBitWeight, so the flag is recomputed either way.
+    # The module path: load_state_dict copies into the buffers in place (records of another width:
+    # a new buffer) and drops the module's cached LowBitWeight, so the flag is recomputed either way.
     lin = torch.nn.Linear(512, 200, bias=False, device="cuda").half()
     layer = spinfer.nn.SparseLinear.from_linear(lin, quant=f"w{bits}", policy="lowbit")
     layer(x)  # caches integer zeros
     sd = {k: v.clone() for k, v in layer.state_dict().items()}
-    sd["scale_zero"][..., 1] += 0.375
+    w = layer.weight_object()
+    sd["scale_zero"] = tile_scale_zero(torch.stack((w.scales, w.zeros + 0.375), -1), bits)
     layer.load_state_dict(sd)
     w = layer.weight_object()
+    assert layer.scale_zero.shape[-1] == 128
     assert rel_err(layer(x), reference(x, w)) <= 2e-3 and w.cached_integer_zeros() is False
+    sd["scale_zero"] = tile_scale_zero(torch.stack((w.scales, w.zeros - 0.375), -1), bits)  # and back
+    layer.load_state_dict(sd)
+    w = layer.weight_object()
+    assert layer.scale_zero.shape[-1] == (80 if bits <= 4 else 128)
+    assert rel_err(layer(x), reference(x, w)) <= 2e-3 and w.cached_integer_zeros() is True
 
 
 def test_integer_zero_path_is_exact_up_to_the_output_rounding():

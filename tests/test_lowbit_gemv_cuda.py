@@ -334,7 +334,10 @@ def test_gemv_ring_resident_blocks_with_groups_of_64(bits, monkeypatch):
     ring8 = ring_plan(monkeypatch, 8192, 28672, bits, 64, "2", "8")
     assert (ring4["gemv_warps"], ring8["gemv_warps"]) == (4, 8)
     if torch.cuda.get_device_capability() in ((8, 0), (9, 0)):
-        assert (ring4["resident_blocks"], ring8["resident_blocks"]) == (7, 4), (ring4, ring8)
+        # (1-bit g64 compiles under the caps since format 4: 8 resident with 4 warps)
+        assert ring4["resident_blocks"] >= 7 and ring8["resident_blocks"] >= 4, (ring4, ring8)
+        if bits == 2:
+            assert (ring4["resident_blocks"], ring8["resident_blocks"]) == (7, 4), (ring4, ring8)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     auto = ring_plan(monkeypatch, 8192, 28672, bits, 64)
     if sms * ring8["resident_blocks"] >= 512:

@@ -11,6 +11,7 @@ import spinfer
 from spinfer.nn import SparseLinear
 from spinfer.nn import policy as P
 from spinfer.prune import nm_mask, wanda_scores
+from spinfer.quant import LowBitWeight
 from tests.conftest import count_entry_point_calls, rel_err, seen_ops
 
 
@@ -570,7 +571,8 @@ def test_eager_launches_are_kept_per_token_count_and_made_again_when_stale(polic
     from tests.test_lowbit_cuda import reference
 
     lin = pruned_linear(300, 512, 0.5).cuda()
-    layer = SparseLinear.from_linear(lin, quant="w4" if policy == "lowbit" else None, policy=policy).cuda()
+    # (8 bits: 4-bit weights keep their zeros as 4-bit integers, which no in-place edit makes fractional)
+    layer = SparseLinear.from_linear(lin, quant="w8" if policy == "lowbit" else None, policy=policy).cuda()
     w = layer.weight_object()
     splits_at = 6 if policy == "sparse" else 7  # in the launch's arguments
 
@@ -602,7 +604,7 @@ def test_eager_launches_are_kept_per_token_count_and_made_again_when_stale(polic
 
         if policy == "lowbit":
             assert layer._held.launches[1].args[-1] is True  # RTN zeros are integers
-            layer.scale_zero[..., 1].add_(0.375)  # fractional, in place
+            layer.scale_zero[..., 64:].add_(0.375)  # the zeros, fractional, in place
             assert rel_err(layer(x), expected(x)) <= 2e-3 and layer._held.launches[1].args[-1] is False
             big = torch.randn(200, 512, device="cuda").half()  # above the fused kernel: decode + cuBLAS
             assert rel_err(layer(big), expected(big)) <= 2e-3 and layer._held.launches[200] is None
@@ -878,3 +880,30 @@ def test_sparsify_passes_the_quant_group_size():
     for name in ("up", "down"):
         q = getattr(model, name).weight_object()
         assert (q.bits, q.group_size) == (2, 64)
+
+
+def test_lowbit_records_survive_dtype_conversions_and_loads_of_either_width(tmp_path):
+    """4-bit zeros are bits inside the records, which a cast would convert as numbers: .bfloat16()
+    and .half() rebuild them, and the weight stays the same up to the scales' rounding. A saved
+    layer whose zeros are fractional (records of the dtype's zeros) loads into the placeholder
+    spinfer.load builds (4-bit zeros)."""
+    lin = nn.Linear(256, 70).half()
+    layer = SparseLinear.from_linear(lin, quant="w4", policy="lowbit")
+    w = layer.weight_object()
+    assert layer.scale_zero.shape[-1] == 80
+    bf = layer.bfloat16()
+    wb = bf.weight_object()
+    assert wb.dtype == torch.bfloat16 and bf.scale_zero.shape[-1] == 80
+    assert torch.equal(wb.zeros.float(), w.zeros.float()) and torch.equal(wb.scales, w.scales.bfloat16())
+    x = torch.randn(3, 256).bfloat16()
+    assert rel_err(bf(x), x.double() @ wb.dequantize().double().t() + bf.bias.double()) <= 1e-2
+    back = bf.half().weight_object()  # (the same module, in place)
+    assert back.dtype == torch.float16 and torch.equal(back.zeros, w.zeros)
+
+    frac = LowBitWeight.from_hqq(torch.randint(0, 16, (70, 256)), torch.rand(70, 2).half() * 0.01,
+                                 (torch.rand(70, 2) * 15).half(), 4, 128, (70, 256))
+    model = nn.Sequential(SparseLinear(frac, None, policy="lowbit"))
+    spinfer.save(model, tmp_path / "m.safetensors")
+    fresh = spinfer.load(nn.Sequential(nn.Linear(256, 70, bias=False).half()), tmp_path / "m.safetensors")
+    got = fresh[0].weight_object()
+    assert fresh[0].scale_zero.shape[-1] == 128 and torch.equal(got.dequantize(), frac.dequantize())

@@ -9,7 +9,8 @@ in the formats a sparse kernel could use.
   and in-tile index packed), TCA-BME (eq. 9: 4 B (NGT+1) + 8 B NBT + 2 B NNZ), SparTA (a 2:4
   part for sparse tensor cores with 2-bit indices plus a CSR remainder for what 2:4 cannot hold;
   expected for random sparsity and counted on the actual matrix) and the weight-only low-bit
-  formats (bits/8 per weight + an fp16 scale and zero per group).
+  formats as LowBitWeight stores them (bits/8 per weight, an fp16 scale per group, and the zero
+  as 4 bits at 1, 2 and 4 bits (integer zeros, as RTN and GPTQ give) or 16 at 8 bits).
 """
 
 from __future__ import annotations
@@ -74,8 +75,13 @@ def sparta_counted_remainder(mask: np.ndarray) -> int:
     return int(np.clip(groups - 2, 0, None).sum())
 
 
-def lowbit_bytes(m: int, k: int, bits: int, group: int = 128) -> int:
-    return m * k * bits // 8 + 2 * 2 * m * math.ceil(k / group)
+def lowbit_bytes(m: int, k: int, bits: int, group: int = 128, integer_zeros: bool = True) -> int:
+    """Bytes of a weight-only low-bit layer without row padding: packed integers, an fp16 scale a
+    group, and its zero: 4 bits where the format keeps integer zeros so (1, 2 and 4 bits), else
+    16 (8 bits, or fractional zeros such as HQQ's; spinfer/quant/lowbit.py, format 4)."""
+    groups = m * math.ceil(k / group)
+    zero_bits = 4 if integer_zeros and bits <= 4 else 16
+    return m * k * bits // 8 + 2 * groups + groups * zero_bits // 8
 
 
 def _scipy_bytes(mat) -> int:

@@ -6,7 +6,8 @@ must move:
 * dense GEMM: 2 M K + 2 K N + 2 M N bytes (fp16);
 * SpMM with a format of compression ratio CR (eq. 7): 2 M K / CR + 2 K N + 2 M N;
 * the index-free optimum (eq. 8): only the nonzero values, 2 M K (1 - s) + 2 K N + 2 M N;
-* weight-only low-bit: M K bits / 8 + 4 M ceil(K / group) (an fp16 scale and zero per group)
+* weight-only low-bit: M K bits / 8 + 2.5 M ceil(K / group) at 1, 2 and 4 bits, 4 M ceil(K / group)
+  at 8 (an fp16 scale per group, and a 4-bit or fp16 zero: compression.lowbit_bytes)
   + 2 K N + 2 M N.
 
 Attainable FLOP/s = min(tensor rate, intensity x bandwidth). Ceilings are measured on the GPU
@@ -91,7 +92,7 @@ def intensity_optimal(m: int, k: int, n: int, sparsity: float) -> float:
 
 def intensity_lowbit(m: int, k: int, n: int, bits: int, group: int = 128) -> float:
     """Dense-equivalent FLOPs over the bytes of a weight-only low-bit layer (packed integers plus
-    one fp16 scale and zero per group; ``group`` = K for per-channel)."""
+    one fp16 scale and a zero per group, compression.lowbit_bytes; ``group`` = K for per-channel)."""
     _check(m, k, n)
     check_bits(bits)
     if group < 1:

@@ -280,6 +280,7 @@ void spmm_out_cuda(const at::Tensor& x, const at::Tensor& bitmap, const at::Tens
 struct LowbitGeometry {
   int64_t kp, groups;
   int group_shift;  // log2(group size); 30 for one group per row (per-channel): every column maps to 0
+  bool nibble_zeros;  // the records hold 4-bit integer zeros (their width says so)
 };
 
 LowbitGeometry check_lowbit_arrays(const at::Tensor& qweight, const at::Tensor& scale_zero, int64_t bits,
@@ -287,7 +288,7 @@ LowbitGeometry check_lowbit_arrays(const at::Tensor& qweight, const at::Tensor& 
   TORCH_CHECK_VALUE(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8, got ", bits);
   TORCH_CHECK_VALUE(m >= 1 && k >= 1 && group_size >= 1 && k % group_size == 0,
                     "bad low-bit geometry: m=", m, " k=", k, " group_size=", group_size);
-  LowbitGeometry g{(k + 255) / 256 * 256, k / group_size, 30};
+  LowbitGeometry g{(k + 255) / 256 * 256, k / group_size, 30, false};
   const int64_t stage = bits == 8 ? 128 : 256;
   TORCH_CHECK_TYPE(qweight.scalar_type() == at::kInt, "qweight must be int32");
   TORCH_CHECK_VALUE(qweight.dim() == 4 && qweight.size(0) == (m + 63) / 64 && qweight.size(1) == g.kp / stage &&
@@ -296,9 +297,16 @@ LowbitGeometry check_lowbit_arrays(const at::Tensor& qweight, const at::Tensor& 
                     qweight.sizes());
   TORCH_CHECK_TYPE(scale_zero.scalar_type() == at::kHalf || scale_zero.scalar_type() == at::kBFloat16,
                    "scale_zero must be float16 or bfloat16, got ", dtype_name(scale_zero.scalar_type()));
-  TORCH_CHECK_VALUE(scale_zero.dim() == 4 && scale_zero.size(0) == (m + 63) / 64 && scale_zero.size(1) == g.groups &&
-                        scale_zero.size(2) == 64 && scale_zero.size(3) == 2,
-                    "scale_zero must be [", (m + 63) / 64, ", ", g.groups, ", 64, 2], got ", scale_zero.sizes());
+  // Records of 2 * record_words halves (lowbit_mm.h): 4-bit integer zeros at 1, 2 and 4 bits only.
+  const int64_t dtype_halves = 2 * record_words(false), nibble_halves = 2 * record_words(true);
+  TORCH_CHECK_VALUE(scale_zero.dim() == 3 && scale_zero.size(0) == (m + 63) / 64 && scale_zero.size(1) == g.groups &&
+                        (scale_zero.size(2) == dtype_halves || (bits <= 4 && scale_zero.size(2) == nibble_halves)),
+                    "scale_zero must be [", (m + 63) / 64, ", ", g.groups, ", ", dtype_halves, "]",
+                    bits <= 4 ? " or [" + std::to_string((m + 63) / 64) + ", " + std::to_string(g.groups) + ", " +
+                                    std::to_string(nibble_halves) + "]"
+                              : std::string(),
+                    " records at ", bits, " bits, got ", scale_zero.sizes());
+  g.nibble_zeros = scale_zero.size(2) == nibble_halves;
   if (g.groups > 1) {  // group sizes 32..256 are powers of two
     TORCH_CHECK_VALUE((group_size & (group_size - 1)) == 0, "group_size must be a power of two, got ", group_size);
     g.group_shift = 0;
@@ -378,9 +386,11 @@ void lowbit_mm_out_cuda(const at::Tensor& x, const at::Tensor& qweight, const at
   a.bf16 = bf16;
   const char* force_xsum = std::getenv("SPINFER_LOWBIT_XSUM");
   a.force_xsum = force_xsum != nullptr && force_xsum[0] == '1';
-  // The caller's word (LowBitWeight.integer_zeros checked it once): a zero outside the fast
-  // decode's set then gives wrong values, but no access depends on it.
-  a.integer_zeros = integer_zeros && !a.force_xsum;
+  // At 8 bits the caller's word (LowBitWeight.integer_zeros checked it once): a zero outside the
+  // fast decode's set then gives wrong values, but no access depends on it. At 1, 2 and 4 bits
+  // the records' width: 4-bit zeros are integers, and the kernels decode no others unchecked.
+  a.nibble_zeros = geo.nibble_zeros;
+  a.integer_zeros = (bits == 8 ? integer_zeros : geo.nibble_zeros) && !a.force_xsum;
   a.rotate = lowbit_rotate();
   C10_CUDA_CHECK(lowbit_mm_run(a, plan, at::cuda::getCurrentCUDAStream()));
 }
@@ -454,7 +464,7 @@ at::Tensor lowbit_to_dense_cuda(const at::Tensor& qweight, const at::Tensor& sca
   TORCH_CHECK_VALUE(qweight.is_cuda() && scale_zero.device() == qweight.device(),
                     "qweight and scale_zero must be on one CUDA device");
   const c10::cuda::CUDAGuard guard(qweight.device());
-  const at::Tensor qw = aligned16(qweight), sz = aligned16(scale_zero);  // 4-byte (scale, zero) pairs
+  const at::Tensor qw = aligned16(qweight), sz = aligned16(scale_zero);  // 4-byte words of records
   at::Tensor out = at::empty({m, k}, scale_zero.options());
   LowbitToDenseArgs a{};
   a.qweight = reinterpret_cast<const uint32_t*>(qw.data_ptr<int32_t>());
@@ -465,6 +475,7 @@ at::Tensor lowbit_to_dense_cuda(const at::Tensor& qweight, const at::Tensor& sca
   a.group_shift = geo.group_shift;
   a.groups = static_cast<int>(geo.groups);
   a.bf16 = scale_zero.scalar_type() == at::kBFloat16;
+  a.nibble_zeros = geo.nibble_zeros;
   C10_CUDA_CHECK(lowbit_to_dense(a, at::cuda::getCurrentCUDAStream()));
   return out;
 }

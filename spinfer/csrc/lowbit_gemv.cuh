@@ -84,8 +84,8 @@ template <int BITS, int NG, int kRing, int W = kGemvWarps>
 constexpr int kGemvMinBlocksFor = kRing > 0 && BITS <= 2 && NG == 2 ? (W == kGemvShortWarps ? 7 : 4)
                                   : (kRing > 0 && BITS == 4 ? 4 : kGemvMinBlocks) * kGemvWarps / W;
 // The (width, scale groups per 128-column chunk) pairs the GEMV is built for: those whose stage,
-// the lane's words of rows g and g + 8 and their (scale, zero) pairs, takes at most 20 registers,
-// as 4-bit g128 does (16 words + 4 pairs; with 2 groups a chunk its stage in flight spilled 16
+// the lane's words of rows g and g + 8 and their scale and zero words, takes at most 20 registers,
+// as 4-bit g128 does (16 words + 4; with 2 groups a chunk its stage in flight spilled 16
 // bytes at 80 registers). A stage is two 128-column chunks (one at 8 bits): a lane holds `bits`
 // words a chunk and row. Groups of 32 (4 a chunk) fit at 1 bit only, and there the GEMV measured
 // slower than the fused kernel on the large layers (docs/quant.md, thirty-second session).
@@ -107,7 +107,7 @@ __host__ __device__ constexpr bool gemv_supported(int bits, int ng) {
 template <int BITS, int NG>
 constexpr bool kGemvSplitSums = BITS == 2 && NG == 2;
 // The ring path (kRing > 0, lowbit_gemv_kernel): a warp's slot holds a stage's 16 rows of weights,
-// their (scale, zero) words and the stage's x slice.
+// their scale and zero words (16 a segment) and the stage's x slice.
 template <int BITS, int NG>
 __host__ __device__ constexpr int gemv_slot_bytes() {
   return kGemvRows * chunks_per_stage<BITS>() * kChunk * BITS / 8 + kGemvRows * chunks_per_stage<BITS>() * NG * 4 +
@@ -191,14 +191,19 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
   // Rows g and g + 8 of the block are rows 16 (rb % 4) + g (+ 8) of 64-row tile rb / 4.
   const unsigned char* wrow = reinterpret_cast<const unsigned char*>(args.qweight) +
                               ((static_cast<int64_t>(rb / 4) * stages * 64) + (rb % 4) * 16 + g) * kRowBytes;
-  const uint32_t* szrow[2];  // rows past M read row M - 1's scales: finite, never stored
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    szrow[h] = static_cast<const uint32_t*>(args.scale_zero) + sz_word(min(row0 + g + 8 * h, args.m - 1), args.groups);
+  // The block's scale and zero records (lowbit_mm.h): rows g and g + 8 of the block are rows
+  // 16 (rb % 4) + g (+ 8) of 64-row tile rb / 4, whose scales share a word, and so do their zeros.
+  // Rows past M read the records' padding: zeros, finite, never stored.
+  const bool nib = BITS <= 4 && args.nibble_zeros;
+  const int tile_row = 16 * (rb % 4) + g;
+  const uint32_t* rec = static_cast<const uint32_t*>(args.scale_zero) + record_word(rb / 4, 0, args.groups, args.record_words);
+  const int sc_at = scale_word_of(tile_row), z_at = zero_word_of(tile_row, nib);
+  const int z_shift = zero_shift_of(tile_row, nib);  // row g's zero, the block's (row g + 8's: 16 bits on)
 
   struct Stage {
     uint32_t w[2][U * BITS];  // rows g, g + 8: the lane's words of the stage, chunk-major
-    uint32_t sz[2][U * NG];  // their (scale, zero) pairs, chunk-major
+    uint32_t sc[U * NG];      // their scale word a segment
+    uint32_t zw[U * NG];      // and zero word
   };
   // The scale group of stage st's segment j (both loaders). Group sizes are powers of two;
   // per-channel groups come with a shift that gives 0, and padding columns clamp to the last group.
@@ -231,14 +236,17 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
           d[0] = ptx::stream_b32(src);
         }
       }
+    }
 #pragma unroll
-      for (int j = 0; j < U * NG; ++j) s.sz[h][j] = ptx::ldg_b32(szrow[h] + kSzTileRows * group_of(st, j));
+    for (int j = 0; j < U * NG; ++j) {
+      const uint32_t* r = rec + args.record_words * group_of(st, j);
+      s.sc[j] = ptx::ldg_b32(r + sc_at), s.zw[j] = ptx::ldg_b32(r + z_at);
     }
   };
 
   // The ring path's slot: the row block's 16 rows of the stage as the format stores them (16-byte
-  // pieces, each row's swizzled by gemv_ring_piece), then their (scale, zero) words [16][U NG],
-  // then the stage's x slice.
+  // pieces, each row's swizzled by gemv_ring_piece), then 16 words a segment (its record's 8 scale
+  // words of the block's rows, then their 8 zero words), then the stage's x slice.
   constexpr int kStageBytes = kGemvRows * kRowBytes;
   constexpr int kSzWords = U * NG;
   constexpr int kSlotBytes = gemv_slot_bytes<BITS, NG>();
@@ -259,7 +267,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
   constexpr int kPieces = kStageBytes / 16;
   static_assert(kPieces % 32 == 0 && gemv_ring_piece_shifts<BITS>(32),
                 "a lane's pieces of a stage lie 32 pieces apart in the slot");
-  constexpr int kSzCopies = kGemvRows * kSzWords;  // (scale, zero) words of a stage, a lane each
+  constexpr int kSzCopies = kGemvRows * kSzWords;  // scale and zero words of a stage, a lane each
   constexpr int kSzPerLane = (kSzCopies + 31) / 32;
   constexpr int kReads = BITS >= 4 ? BITS / 4 : 1;  // a row's 16-byte reads a chunk (or one smaller)
   struct RingLane {
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
     uint32_t wdst;                      // the lane's first piece in slot 0
     const unsigned char* wsrc;          // and in stage 0
     const char* xsrc;                   // its x piece in stage 0
-    const uint32_t* szsrc[kSzPerLane];  // (scale, zero) word lane + 32 k: its row's (rows past M read row M - 1's, as szrow)
+    const uint32_t* szsrc[kSzPerLane];  // word lane + 32 k of the stage's: in its segment's record (group 0's)
     int szcol[kSzPerLane];              // and its segment's first column in a stage
     int rd[U][kReads];                  // row g's read i of chunk u in a slot (row g + 8's: 8 rows on)
   } ln{};
@@ -278,8 +286,9 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
     ln.xsrc = ptx::keep(static_cast<const char*>(args.x) + 16 * lane);
 #pragma unroll
     for (int k = 0; k < kSzPerLane; ++k) {
-      const int i = lane + 32 * k, r = i / kSzWords, j = i % kSzWords;
-      ln.szsrc[k] = ptx::keep(static_cast<const uint32_t*>(args.scale_zero) + sz_word(min(row0 + r, args.m - 1), args.groups));
+      const int i = lane + 32 * k, j = i / 16, w = i % 16;  // segment j's scale (w < 8) or zero word
+      const int row = 16 * (rb % 4) + w % 8;  // (4-bit zeros: word w % 8 holds rows w % 8 (+ 8) of every block)
+      ln.szsrc[k] = ptx::keep(rec + (w < 8 ? scale_word_of(row) : zero_word_of(row, nib)));
       ln.szcol[k] = static_cast<int>(ptx::keep(j * (kChunk / NG)));
     }
 #pragma unroll
@@ -300,7 +309,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
     for (int k = 0; k < kSzPerLane; ++k) {
       if (kSzCopies % 32 == 0 || lane + 32 * k < kSzCopies)
         ptx::cp_async_ca_4(ln.ring + slot * kSlotBytes + kStageBytes + 4 * (lane + 32 * k),
-                           ln.szsrc[k] + kSzTileRows * group_at(st, ln.szcol[k]));
+                           ln.szsrc[k] + args.record_words * group_at(st, ln.szcol[k]));
     }
   };
   constexpr int kSlotX = kStageBytes + 4 * kGemvRows * kSzWords;  // the x slice's offset in a slot
@@ -329,9 +338,11 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
           d[0] = *reinterpret_cast<const uint32_t*>(b + ln.rd[u][0] + h * 8 * kRowBytes);
         }
       }
+    }
 #pragma unroll
-      for (int j = 0; j < kSzWords; ++j)
-        s.sz[h][j] = reinterpret_cast<const uint32_t*>(b + kStageBytes)[(g + 8 * h) * kSzWords + j];
+    for (int j = 0; j < kSzWords; ++j) {
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(b + kStageBytes) + 16 * j;
+      s.sc[j] = words[g], s.zw[j] = words[8 + g];
     }
   };
 
@@ -397,10 +408,13 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
 #pragma unroll
       for (int j = 0; j < NG; ++j) {
         const int seg = u * NG + j;
-        // The zeros of rows g and g + 8 as the A fragments subtract them (segment_zero,
-        // lowbit_mm.cuh), clamped where the launch applies their fractional rest.
-        const uint32_t zz = ptx::prmt(s.sz[0][seg], s.sz[1][seg], 0x7632);  // {z row g, z row g + 8}
-        const SegmentZero z2 = segment_zero<kBF16, BITS>(zz, !kFixed || sums);
+        // The zeros of rows g and g + 8 as the A fragments subtract them: 4-bit integers put into
+        // the magic's mantissa (nibble_zero), or the dtype's (segment_zero, lowbit_mm.cuh),
+        // clamped where the launch applies their fractional rest. Without sums the zeros are
+        // integers, which at 1, 2 and 4 bits the records hold as 4-bit ones (the launch's rule).
+        const bool nz = kFixed && !sums ? BITS <= 4 : nib;
+        const SegmentZero z2 = nz ? nibble_zero<kBF16>(s.zw[seg], z_shift)
+                                  : segment_zero<kBF16, BITS>(s.zw[seg], !kFixed || sums);
         uint32_t zc[2], zo[2] = {0u, 0u};
         float sc[2], zf[2] = {0.f, 0.f};
         // Folded at 1 and 2 bits: a 2-bit g64 step 270 -> 258 instructions (SASS, fp16; docs/quant.md,
@@ -409,9 +423,9 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
         row_constants<kBF16, BITS, (BITS <= 2)>(z2, zc, zo);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          sc[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] & 0xffffu));
-          if (sums)  // z - zi, zi exact
-            zf[h] = Nm::to_float(static_cast<uint16_t>(s.sz[h][seg] >> 16)) -
+          sc[h] = Nm::to_float(static_cast<uint16_t>(h ? s.sc[seg] >> 16 : s.sc[seg] & 0xffffu));
+          if (sums && !nz)  // z - zi, zi exact (4-bit zeros are integers: 0)
+            zf[h] = Nm::to_float(static_cast<uint16_t>(h ? s.zw[seg] >> 16 : s.zw[seg] & 0xffffu)) -
                     Nm::to_float(static_cast<uint16_t>(h ? z2.zi2 >> 16 : z2.zi2 & 0xffffu));
         }
         float part[4] = {0.f, 0.f, 0.f, 0.f};
@@ -457,7 +471,7 @@ __global__ void __launch_bounds__(32 * W, (kGemvMinBlocksFor<BITS, NG, kRing, W>
     const int nx = st + W;
     ptx::cp_async_wait_group<0>();
     __syncwarp();
-    const uint32_t after = ptx::zero_after(now.sz[0][0]);
+    const uint32_t after = ptx::zero_after(now.sc[0]);
     load_x(b ^ 1, nx, nx < end);
     if (nx < end) load(ahead, nx, after);
     compute(now, xbuf[warp][b] + after, sums_arg);  // (the register path)

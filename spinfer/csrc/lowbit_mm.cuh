@@ -11,7 +11,7 @@
 //    from L2 half as often (lowbit_mm.cu, use_row_pairs, says where that pays).
 //  * A 3-stage cp.async ring brings, per stage of 1 or 2 chunks, the block's packed weight
 //    tile (one contiguous 4..8 KB span: the format stores 64-row x stage tiles), their
-//    (scale, zero) pairs and the matching activation slice to shared memory, so 2 stages of
+//    scale and zero records and the matching activation slice to shared memory, so 2 stages of
 //    weight bytes per block are always in flight: the kernel streams each weight byte once and is fast
 //    only if HBM never waits on it. Contiguous tiles matter: with row-major weights each
 //    stage touched 64 separate 128-byte spans and HBM delivered 1.0-1.8 TB/s instead of ~2.7.
@@ -146,7 +146,7 @@ __device__ __forceinline__ int piece_swizzle(int r) {
   else return (r >> 2) & 1;
 }
 
-// One stage: [RB x 64 weight rows][row bytes] [RB x 64 rows][U*NG (scale, zero) pairs] then the
+// One stage: [RB x 64 weight rows][row bytes] [RB tiles][U*NG segments][64 words of a record] then the
 // activation slice: [BN][x stride] with cp.async, or with tensor copies of the activations
 // (TMA_X: the bulk loader) one [BN][x stride] region per chunk, the stride a
 // chunk's columns + 16.
@@ -164,7 +164,7 @@ struct Layout {
   static constexpr int kCols = U * kChunk;
   static constexpr int kTileRows = RB * kBlockRows;
   static constexpr int kWStride = weight_row_bytes<BITS>();
-  static constexpr int kPairs = U * NG;  // (scale, zero) pairs per row per stage
+  static constexpr int kPairs = U * NG;  // segments (scale groups) of a stage: a record each (lowbit_mm.h)
   static constexpr int kSzOffset = kTileRows * kWStride;
   // Tensor copies write to 128-byte-aligned addresses.
   static constexpr int kAlign = TMA_X ? 128 : 16;
@@ -289,6 +289,17 @@ __device__ __forceinline__ SegmentZero segment_zero(uint32_t zz, bool clamp) {
   }
 }
 
+// The same constants from 4-bit integer zeros (LowbitArgs::nibble_zeros): rows g and g + 8's at bits
+// `shift` and shift + 16 of zw, put into the magic's low mantissa bits, which gives magic + z
+// exactly (z <= 15, and the magic's unit is 1): a shift and a LOP3 where the dtype's zeros take
+// a PRMT and an HADD2.
+template <bool kBF16>
+__device__ __forceinline__ SegmentZero nibble_zero(uint32_t zw, int shift) {
+  using N = Num<kBF16>;
+  const uint32_t zc = ptx::and_or(zw >> shift, 0x000F000Fu, N::kMagic);
+  return {zc, 0u, N::sub(zc, N::kMagic)};
+}
+
 // A segment's per-row constants for unpack_pair, zc[h] and zo[h] (rows g and g + 8: halves 0 and 1 of
 // z2's pairs), each with the same value in both halves. kFold (in-place decodes only): zo for both
 // rows in one HADD2, and each row's constants as broadcasts that ptxas folds into the decode's HADD2 /
@@ -346,10 +357,16 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[NW], const unsigned c
 // in one bulk copy (LowbitPlan::bulk_weights), read unswizzled, and its activation slice in one
 // tensor copy per chunk through x_map (encode_x_map); otherwise 16-byte cp.async from every
 // thread, the weights into swizzled rows.
-template <bool kBF16, int BITS, int BN, int NG, bool CROSS, int RB, bool BULK>
+// NIB: the records hold 4-bit integer zeros (LowbitArgs::nibble_zeros; 1, 2 and 4 bits). A
+// compile-time choice: read from the arguments, the record stride and the slots' sources were
+// run-time values, and the 1- and 2-bit kernels of 8-token tiles lost 2-6% (H100, docs/quant.md,
+// sixty-eighth session).
+template <bool kBF16, int BITS, int BN, int NG, bool CROSS, int RB, bool BULK, bool NIB>
 __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int chunks, const int64_t split_stride,
                                                const int iters_per_split, const CUtensorMap* x_map) {
   static_assert(RB == 1 || (RB == 2 && !CROSS), "row pairs only in the one-block-per-tile grids");
+  static_assert(!NIB || BITS <= 4, "4-bit zeros at 1, 2 and 4 bits only");
+  constexpr int kRecordWords = record_words(NIB);
   static_assert(!BULK || bulk_loader(BITS, BN), "the bulk loader's kernels are built where it pays");
   constexpr bool tma_x = BULK;  // the activations' tensor copies
   using L = Layout<BITS, BN, NG, CROSS, RB, tma_x>;
@@ -436,24 +453,30 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
       reinterpret_cast<const unsigned char*>(args.qweight) +
       (static_cast<int64_t>(RB * row_first) * total_iters + it_begin) * kBlockRows * kRowBytes +
       (tid % kWTileSlots) * 16 + (tid / kWTileSlots) * rb_stride;
+  // A stage's scales and zeros: for each 64-row tile of the block, slot p = (tile * 64 + w) *
+  // kPairs + segment holds word w of the segment's record (lowbit_mm.h), so a lane's words of
+  // neighbouring segments are neighbours (one wider read, as for the pairs before), and the same
+  // layout holds both kinds of zeros: 4-bit zero word 32 + i goes to slots 32 + 8 b + i (b = 0..3:
+  // copied four times), where the dtype's zeros of rows 16 b + i (+ 8) sit. So a lane reads its
+  // zero word at one offset either way.
   constexpr int kSzSlots = kTileRows * L::kPairs;  // 64 at 8 bits: half the threads copy one
   constexpr int kSzCopies = (kSzSlots + kThreads - 1) / kThreads;
-  const uint32_t* sz_row[kSzCopies];  // this slot's row of scale_zero (nullptr past M)
-  int sz_col[kSzCopies];              // its column offset inside the stage (u, j)
-  auto sz_rows = [&](const int row_block) {  // the slots' rows in a row block
-#pragma unroll
-    for (int i = 0; i < kSzCopies; ++i) {
-      const int p = tid + i * kThreads, r = row_block * kTileRows + p / L::kPairs;
-      sz_row[i] = p < kSzSlots && r < args.m
-                      ? reinterpret_cast<const uint32_t*>(args.scale_zero) + sz_word(r, args.groups)
-                      : nullptr;
-    }
-  };
-  sz_rows(row_first);
+  static_assert(kThreads % L::kPairs == 0, "a thread's slots are of one segment");
+  const uint32_t* sz_row[kSzCopies];  // this slot's word of its tile's record of group 0 (nullptr: none)
+  // the thread's segment's column offset inside a stage (u, j): the same for all its slots
+  const int sz_col = (tid % L::kPairs / NG) * kChunk + tid % L::kPairs % NG * (kChunk / NG);
+  // The slots' words in the block's first row block. The balanced schedule (CROSS, one 64-row tile
+  // a row block) moves them on by a row block's records as its range crosses into the next (a
+  // recomputation there kept the slot's word in a register through the loop, and the 32-token
+  // kernels spilled).
 #pragma unroll
   for (int i = 0; i < kSzCopies; ++i) {
-    const int p = tid + i * kThreads, u = p % L::kPairs / NG, j = p % NG;
-    sz_col[i] = u * kChunk + j * (kChunk / NG);
+    const int p = tid + i * kThreads, tile = RB * row_first + p / (kRecordTileRows * L::kPairs);
+    const int slot = p / L::kPairs % kRecordTileRows;
+    const int w = slot < kRecordScaleWords || !NIB ? slot : zero_word_of(slot % 8, true);
+    sz_row[i] = p < kSzSlots && tile * kRecordTileRows < args.m
+                    ? reinterpret_cast<const uint32_t*>(args.scale_zero) + record_word(tile, 0, args.groups, kRecordWords) + w
+                    : nullptr;
   }
 
   // x: a stage's activation rows are whole 16-byte pieces of columns that exist (stages never
@@ -482,7 +505,6 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
   const unsigned char* w_next = w_src;  // CROSS only
   const char* x_next = x_src + it_begin * L::kCols * 2;  // CROSS: the cursor; else the base
   int col_next = it_begin * L::kCols;   // first column of the next weight stage (CROSS; else the base)
-  int row_next = row_first;             // its row block (CROSS)
   int x_stage = it_begin;               // stage in its row of the next activation slice (CROSS)
   auto issue_w = [&](const uint32_t st, const int idx) {
     // The stage's weight tile (64 rows x U chunks) is one contiguous span of qweight.
@@ -510,20 +532,27 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
                             w_at + (c % kWTileSlots) * 16 + (c / kWTileSlots) * rb_stride);
       }
     }
+    {
+      // Group of the thread's columns (one for all its slots): group sizes are powers of two, and
+      // per-channel groups (size K) come with a shift that gives 0; padding columns clamp to the
+      // last group.
+      const int col = col0 + sz_col;
+      const int64_t at = static_cast<int64_t>(min(col >> args.group_shift, args.groups - 1)) * kRecordWords;
 #pragma unroll
-    for (int i = 0; i < kSzCopies; ++i) {
-      if (kSzSlots % kThreads != 0 && tid + i * kThreads >= kSzSlots) continue;  // no slot
-      // Group of the slot's columns: group sizes are powers of two, and per-channel groups
-      // (size K) come with a shift that gives 0; padding columns clamp to the last group.
-      const int col = col0 + sz_col[i];
-      const bool ok = sz_row[i] != nullptr && col < args.kp;
-      const int grp = min(col >> args.group_shift, args.groups - 1);
-      ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + kSzTileRows * grp : args.scale_zero,
-                         ok);
+      for (int i = 0; i < kSzCopies; ++i) {
+        if (kSzSlots % kThreads != 0 && tid + i * kThreads >= kSzSlots) continue;  // no slot
+        const bool ok = sz_row[i] != nullptr && col < args.kp;
+        ptx::cp_async_ca_4(st + L::kSzOffset + (tid + i * kThreads) * 4, ok ? sz_row[i] + at : args.scale_zero, ok);
+      }
     }
     if constexpr (CROSS) {
       w_next += kBlockRows * kRowBytes, col_next += L::kCols;
-      if (col_next == args.kp) col_next = 0, sz_rows(++row_next);  // the next row block
+      if (col_next == args.kp) {  // the next row block (a range ends in the last one: no copy past it)
+        col_next = 0;
+#pragma unroll
+        for (int i = 0; i < kSzCopies; ++i)
+          if (sz_row[i] != nullptr) sz_row[i] += static_cast<int64_t>(args.groups) * kRecordWords;
+      }
     }
   };
   auto issue_x = [&](const uint32_t st, const int idx) {
@@ -559,6 +588,15 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
   const int my_row = (RB == 2 ? group * kBlockRows : 0) + warp * 16 + g;  // and my_row + 8, in the tile
+  // Rows my_row and my_row + 8 are rows 16 warp + g (+ 8) of 64-row tile `group` (RB = 2) or 0:
+  // their scale word in a record is 8 warp + g, their zero word 32 on, and their 4-bit zeros sit at
+  // bit 4 warp of it (lowbit_mm.h; written with warp and g, not with my_row's signed / and %,
+  // whose sign handling the compiler kept in the loop: the 2-bit row-pair kernel's loop took 13%
+  // more instructions). The launch's integer zeros at 1, 2 and 4 bits are 4-bit ones, so the
+  // shift is taken unconditionally where they are.
+  static_assert(scale_word_of(16 * 3 + 5) == 8 * 3 + 5 && zero_word_of(16 * 3 + 5, false) == 32 + 8 * 3 + 5 &&
+                    zero_shift_of(16 * 3 + 5, true) == 4 * 3, "record words of row 16 warp + g");
+  const int rec_tile = RB == 2 ? group : 0, sc_word = 8 * warp + g, z_shift = 4 * warp;
   // Scale and zero are applied per segment (128/NG columns, inside one group). The A fragments
   // hold the exact integers q - zi (zi: the zero point's integer part, see integer_zero), so
   // for one row and token
@@ -594,12 +632,13 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
     for (int jj = 0; jj < kSegs; ++jj) {
       const int j = kSplitTiles == 2 ? group * (NG / 2) + jj : jj;  // the chunk's segment
       float sc[2];
-      uint32_t sz[2], zc[2], zo[2] = {0u, 0u};  // zo: the odd pairs' addend (kInPlace only)
+      uint32_t zc[2], zo[2] = {0u, 0u};  // zo: the odd pairs' addend (kInPlace only)
+      // The segment's scale word and zero word of rows my_row and my_row + 8 (the slots' layout, above).
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(st + L::kSzOffset) + u * NG + j +
+                              (rec_tile * kRecordTileRows + sc_word) * L::kPairs;
+      const uint32_t sw = words[0], zw = words[kRecordScaleWords * L::kPairs];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sz[h] = *reinterpret_cast<const uint32_t*>(st + L::kSzOffset + ((my_row + 8 * h) * L::kPairs + u * NG + j) * 4);
-        sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] & 0xffffu));
-      }
+      for (int h = 0; h < 2; ++h) sc[h] = Num<kBF16>::to_float(static_cast<uint16_t>(h ? sw >> 16 : sw & 0xffffu));
       // The common case, integer zero points (RTN, GPTQ), decoded in the weight dtype for both
       // rows at once: zc = magic + z, exact for the zeros integer_zero keeps as they are.
       // args.integer_zeros says the host checked that every zero of the layer is one of those
@@ -609,10 +648,10 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
       // converting each zero to fp32, rounding and clamping it (SASS: ~25 instructions per
       // segment), the check is ~10; skipping it (clamp, compare, vote) measured 4-5% faster at 1
       // and 2 bits (geomean; up to 8%), where a stage has two segments (docs/quant.md).
-      const uint32_t zz = ptx::prmt(sz[0], sz[1], 0x7632);  // {z row g, z row g + 8}
       // The segment from its zc2 (see above) on; sum_path: its zeros go through sum(x). Each call
       // passes its own zc2 and the lambda is inlined, so the integer_zeros copy has no check.
-      auto segment = [&](const SegmentZero z2, const bool sum_path) {
+      // zz: {z row g, z row g + 8} in the dtype, read by the sum path only.
+      auto segment = [&](const SegmentZero z2, const uint32_t zz, const bool sum_path) {
         // Folded where the decode is in place (measured 1-2% faster at 2 bits, N = 8 / 16; docs/quant.md,
         // forty-ninth session); at 8 bits the folded form spilled (fp16, 16-token tiles).
         row_constants<kBF16, BITS, kInPlace<kBF16, BITS>>(z2, zc, zo);
@@ -659,7 +698,7 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
           float zf[2];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const float z = Num<kBF16>::to_float(static_cast<uint16_t>(sz[h] >> 16));
+            const float z = Num<kBF16>::to_float(static_cast<uint16_t>(h ? zz >> 16 : zz & 0xffffu));
             const float zi = integer_zero<kBF16, BITS>(z);
             zf[h] = z - zi;
             // segment_zero's constants from zi in fp32 (the same values; as a call to it with zi
@@ -700,12 +739,15 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
         }
       };
       if (args.integer_zeros) {  // uniform over the launch; a copy of the segment without the check
-        segment(segment_zero<kBF16, BITS>(zz, false), false);
+        // (at 1, 2 and 4 bits the launch's integer zeros are the records' 4-bit ones)
+        segment(NIB ? nibble_zero<kBF16>(zw, z_shift) : segment_zero<kBF16, BITS>(zw, false), zw, false);
       } else {
+        // (4-bit zeros come here only where a launch forces the sums)
+        const uint32_t zz = NIB ? nibble_zero<kBF16>(zw, z_shift).zi2 : zw;
         const SegmentZero z2 = segment_zero<kBF16, BITS>(zz, true);
         const bool exact = Num<kBF16>::equal(z2.zi2, zz);
         // Warp-uniform: the mma are warp-wide, so one fractional row brings the whole warp.
-        segment(z2, __any_sync(0xffffffffu, !exact) || args.force_xsum);
+        segment(z2, zz, __any_sync(0xffffffffu, !exact) || args.force_xsum);
       }
     }
   };
@@ -841,7 +883,7 @@ __device__ __forceinline__ void lowbit_mm_body(const LowbitArgs& args, const int
 
 // x_map: the activations' tensor map (BULK; encode_x_map), a kernel parameter
 // so that the copies can name it (__grid_constant__); unused by the other kernels.
-template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS, int RB, bool BULK>
+template <bool kBF16, int BITS, int BN, int NG, int MIN_BLOCKS, bool CROSS, int RB, bool BULK, bool NIB>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     lowbit_mm_kernel(const LowbitArgs args, const int chunks, const int64_t split_stride, const int iters_per_split,
                      const __grid_constant__ CUtensorMap x_map) {
@@ -851,7 +893,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   } else
 #endif
   {
-    lowbit_mm_body<kBF16, BITS, BN, NG, CROSS, RB, BULK>(args, chunks, split_stride, iters_per_split, &x_map);
+    lowbit_mm_body<kBF16, BITS, BN, NG, CROSS, RB, BULK, NIB>(args, chunks, split_stride, iters_per_split, &x_map);
   }
 }
 
@@ -884,15 +926,25 @@ struct Launcher {
   // The host sizes split-K workspaces and grids by lowbit_tile_rows (lowbit_mm.h).
   static_assert(Layout<BITS, BN, NG, BALANCED, RB>::kTileRows == lowbit_tile_rows(V), "one tile height");
   static constexpr int kMinB = BALANCED ? kBalancedPerSM : RB == 2 ? kRowPairBlocks : kMinBlocks<BITS, BN>;
-  // The kernel for a loader: the bulk loader's exists where it pays (bulk_loader).
-  static auto kernel(bool bulk) {
-    if constexpr (bulk_loader(BITS, BN))
-      if (bulk) return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, true>;
-    return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, false>;
+  // The kernel for a loader and kind of zeros: the bulk loader's exists where it pays
+  // (bulk_loader), 4-bit zeros at 1, 2 and 4 bits.
+  static auto kernel(bool bulk, bool nib) {
+    if constexpr (BITS <= 4) {
+      if constexpr (bulk_loader(BITS, BN))
+        if (bulk) return nib ? lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, true, true>
+                             : lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, true, false>;
+      return nib ? lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, false, true>
+                 : lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, false, false>;
+    } else {
+      if constexpr (bulk_loader(BITS, BN))
+        if (bulk) return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, true, false>;
+      return lowbit_mm_kernel<kBF16, BITS, BN, NG, kMinB, BALANCED, RB, false, false>;
+    }
   }
   static cudaError_t launch(const LowbitArgs& args, const LowbitPlan& plan, cudaStream_t stream) {
     const bool bulk = bulk_loader(BITS, BN) && plan.bulk_weights;
-    if (cudaError_t err = allow_smem(bulk); err != cudaSuccess) return err;
+    const bool nib = BITS <= 4 && args.nibble_zeros;
+    if (cudaError_t err = allow_smem(bulk, nib); err != cudaSuccess) return err;
     // Balanced: (token tiles, blocks); else (token tiles, row blocks, splits) of
     // plan.iters_per_split stages each.
     // With split tail rows: (1, whole rows + tail rows x their splits).
@@ -906,17 +958,18 @@ struct Launcher {
     std::memset(&x_map, 0, sizeof x_map);  // the cp.async loader never reads it
     if (bulk)
       if (cudaError_t err = encode_x_map(&x_map, args.x, args.n, args.kp, BN, kBF16); err != cudaSuccess) return err;
-    return launch_kernel_window(kernel(bulk), grid, kThreads, smem(bulk), stream, plan.pdl,
+    return launch_kernel_window(kernel(bulk, nib), grid, kThreads, smem(bulk), stream, plan.pdl,
                                 stream_window(args.qweight, lowbit_qweight_bytes(args.m, args.kp, BITS)), a,
                                 plan.chunks, split_stride, plan.iters_per_split, x_map);
   }
   // The dynamic shared-memory opt-in, once per device and kernel (a driver call costs microseconds).
-  static cudaError_t allow_smem(bool bulk) {
-    static std::atomic<uint64_t> done[2] = {0, 0};
-    return allow_smem_once(kernel(bulk), smem(bulk), done[bulk]);
+  static cudaError_t allow_smem(bool bulk, bool nib) {
+    static std::atomic<uint64_t> done[2][2] = {{0, 0}, {0, 0}};
+    return allow_smem_once(kernel(bulk, nib), smem(bulk), done[bulk][nib]);
   }
+  // (the planner's occupancy: of the 4-bit-zero kernels at 1, 2 and 4 bits, what RTN and GPTQ weights run)
   static int blocks_per_sm(bool bulk) {
-    const auto k = kernel(bulk);
+    const auto k = kernel(bulk, BITS <= 4);
     if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem(bulk)) != cudaSuccess) return 1;
     int blocks = 1;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, kThreads, smem(bulk)) != cudaSuccess) return 1;

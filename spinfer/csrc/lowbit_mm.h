@@ -13,7 +13,7 @@ namespace spinfer {
 struct LowbitArgs {
   const void* x;           // [n, kp] fp16/bf16 row-major, 16-byte aligned, zero past K; kp % 256 == 0
   const uint32_t* qweight; // [ceil(m/64), kp/stage, 64, stage*bits/32] tiles (spinfer/quant/lowbit.py)
-  const void* scale_zero;  // [ceil(m/64), groups, 64, 2] (scale, zero) pairs in x's dtype (sz_word)
+  const void* scale_zero;  // [ceil(m/64), groups, record_words] scale and zero records in x's dtype (record_word)
   const void* bias;        // [m] or nullptr
   void* y;                 // [n, m]
   float* workspace;        // split-K partial tiles (plan.workspace_floats), or nullptr
@@ -24,22 +24,43 @@ struct LowbitArgs {
   int bits;
   bool bf16;
   bool force_xsum;         // apply every zero point through sum(x) (SPINFER_LOWBIT_XSUM=1: A/B runs, tests)
-  bool integer_zeros;      // every zero is exact in the fast decode (LowBitWeight.integer_zeros): skip its check
+  bool integer_zeros;      // every zero is exact in the fast decode (LowBitWeight.integer_zeros): skip its check;
+                           // at 1, 2 and 4 bits only with nibble_zeros
+  bool nibble_zeros;       // the records hold 4-bit integer zeros (1, 2 and 4 bits; record_words)
+  int record_words;        // record_words(nibble_zeros): set by the launch (read from the constant
+                           // bank where used: local copies of it cost registers, and spills)
   int rotate;              // stage-order rotation (kLowbitRotate; SPINFER_LOWBIT_ROTATE overrides, 0: off)
   // Set by the launch from the plan (kernel arguments live in the constant bank, not in the
   // loop's registers): rows from tail_first on are split tail_splits ways, tail_iters stages each.
   int tail_first, tail_splits, tail_iters;
 };
 
-// The (scale, zero) pairs are stored in tiles of 64 rows, one 4-byte word a row and group:
-// [ceil(m/64), groups, 64] words, so group j of row r is word sz_word(r, groups) + 64 j. A stage's
-// words of a 64-row block (the fused kernel) or a 16-row one (the GEMV) are then a few contiguous
-// 32-byte sectors, not one sector a row: a read of a layer's bytes with the GEMV's pattern took
-// 0.7-3.4% less time at 4-bit g128 and 4-8% less at 2-bit g64, and the kernels at 4-bit g128 ran
-// 2-4% faster at N = 1-16 (H100, docs/quant.md, forty-seventh session). Padding rows hold zeros.
-constexpr int kSzTileRows = 64;
-__host__ __device__ inline int64_t sz_word(int row, int groups) {
-  return static_cast<int64_t>(row / kSzTileRows) * groups * kSzTileRows + row % kSzTileRows;
+// Scales and zeros are stored as one record per 64-row tile and group (format 4,
+// spinfer/quant/lowbit.py): [ceil(m/64), groups, record_words] 4-byte words, the record of tile
+// tb and group j at word (tb * groups + j) * record_words. Word 8 b + i holds the scales of rows
+// 16 b + i and 16 b + i + 8 of the tile (halves 0 and 1): the two rows an mma lane owns
+// (b = 0..3, i = 0..7). The zeros follow at word 32: 32 words in the same order, in the dtype,
+// or (nibble_zeros) 8 words of 4-bit integers, word 32 + i holding row 16 b + i's zero at bit 4 b
+// and row 16 b + i + 8's 16 bits higher: a lane's word is its own, and its shift is its warp's
+// (the 16-row block's), so no lane keeps a shift in a register. A stage's scales and zeros of a
+// 16-row block (the GEMV) or a 64-row one (the fused kernel) are then a few contiguous sectors;
+// the 4-bit zeros cut a 4-bit g128 row group from 68 to 66.5 bytes and a 2-bit g64 one from 20
+// to 18.25 (docs/quant.md, sixty-eighth session). Padding rows hold zeros.
+constexpr int kRecordTileRows = 64;
+constexpr int kRecordScaleWords = 32;
+__host__ __device__ constexpr int record_words(bool nibble_zeros) { return kRecordScaleWords + (nibble_zeros ? 8 : 32); }
+// The first word of the record of 64-row tile tb and group j.
+__host__ __device__ inline int64_t record_word(int tb, int j, int groups, int words) {
+  return (static_cast<int64_t>(tb) * groups + j) * words;
+}
+// Row r (0..63) of a tile: its scale word (scale in half (r % 16) / 8) and its zero word, and
+// the zero's bit offset in that word.
+__host__ __device__ constexpr int scale_word_of(int r) { return 8 * (r / 16) + r % 8; }
+__host__ __device__ constexpr int zero_word_of(int r, bool nibble) {
+  return kRecordScaleWords + (nibble ? r % 8 : scale_word_of(r));
+}
+__host__ __device__ constexpr int zero_shift_of(int r, bool nibble) {
+  return 16 * ((r % 16) / 8) + (nibble ? 4 * (r / 16) : 0);
 }
 
 // A block of row block r (one-block-per-row and split-K grids) takes its stages starting at stage

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "dtype.cuh"
-#include "lowbit_mm.h"  // sz_word
+#include "lowbit_mm.h"  // the scale and zero records
 #include "to_dense.h"
 
 namespace spinfer {
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) tca_bme_kernel(const TcaBmeToDenseAr
 // ---- packed low-bit (spinfer/quant/lowbit.py has the layout) --------------------------------
 // One thread per 8 output columns of one row: in the fragment order those are 4 values from
 // each of two words (lanes 2h and 2h+1 of k16 tile T, where the columns are 16T + 8h .. +7), so
-// a thread loads two words and one (scale, zero) pair and stores 16 bytes. A block covers 1024
+// a thread loads two words, a scale and a zero, and stores 16 bytes. A block covers 1024
 // consecutive columns of a row; rows run along the grid's y dimension.
 template <bool kBF16, int BITS>
 __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArgs a) {
@@ -114,10 +114,14 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
   for (int row = blockIdx.y; row < a.m; row += gridDim.y) {
     const int64_t base = ((static_cast<int64_t>(row >> 6) * stages + c0 / S) * 64 + (row & 63)) * kRowWords + in_row;
     const uint32_t words[2] = {a.qweight[base], a.qweight[base + BITS]};
-    const uint32_t sz =  // {scale, zero}
-        reinterpret_cast<const uint32_t*>(a.scale_zero)[sz_word(row, a.groups) + kSzTileRows * (c0 >> a.group_shift)];
-    const float scale = D::to_float(static_cast<uint16_t>(sz & 0xffffu));
-    const float zero = D::to_float(static_cast<uint16_t>(sz >> 16));
+    const int r = row % kRecordTileRows;  // the row in its tile's record (lowbit_mm.h)
+    const uint32_t* rec = static_cast<const uint32_t*>(a.scale_zero) +
+                          record_word(row / kRecordTileRows, c0 >> a.group_shift, a.groups, record_words(a.nibble_zeros));
+    const int half = 16 * ((r % 16) / 8);
+    const uint32_t zw = rec[zero_word_of(r, a.nibble_zeros)];
+    const float scale = D::to_float(static_cast<uint16_t>(rec[scale_word_of(r)] >> half));
+    const float zero = a.nibble_zeros ? static_cast<float>((zw >> zero_shift_of(r, true)) & 15u)
+                                      : D::to_float(static_cast<uint16_t>(zw >> half));
     uint32_t packed[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int l = 0; l < 2; ++l)

@@ -25,12 +25,13 @@ cudaError_t tca_bme_to_dense(const TcaBmeToDenseArgs& args, cudaStream_t stream)
 
 struct LowbitToDenseArgs {
   const uint32_t* qweight;  // [ceil(m/64), kp/stage, 64, stage*bits/32] (spinfer/quant/lowbit.py)
-  const void* scale_zero;   // [ceil(m/64), groups, 64, 2] in the output dtype (lowbit_mm.h, sz_word)
+  const void* scale_zero;   // [ceil(m/64), groups, record_words] records in the output dtype (lowbit_mm.h)
   void* out;                // [m, k] row-major
   int m, k, kp, bits;
   int group_shift;          // log2(group size); 30 for one group per row (per-channel)
   int groups;
   bool bf16;
+  bool nibble_zeros;        // the records hold 4-bit integer zeros (lowbit_mm.h)
 };
 
 // (q - zero) * scale in fp32, rounded once to the output dtype: spinfer.quant.lowbit.dequantize

@@ -50,7 +50,7 @@ def _empty_layer(meta: torch.Tensor, policy: str, bias: bool, dtype) -> SparseLi
         return SparseLinear(weight, b, policy=policy)
     if fmt == "lowbit":  # q = 0 with zero scales
         g = resolve_group_size(a1, k)
-        scale_zero = tile_scale_zero(torch.zeros(m, k // g, 2, dtype=dtype))  # (the stored layout's one definition)
+        scale_zero = tile_scale_zero(torch.zeros(m, k // g, 2, dtype=dtype), a0)  # (the stored layout's one definition)
         weight = LowBitWeight(torch.zeros(qweight_shape(m, k, a0), dtype=torch.int32), None, None, a0, g, (m, k),
                               scale_zero=scale_zero, validate=False)
         return SparseLinear(weight, b, policy=policy)

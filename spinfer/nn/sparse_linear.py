@@ -19,6 +19,7 @@ from ..ops.lowbit_mm import fused_max_n
 from ..ops.spmm import CPU_DIRECT_MAX_N
 from ..ops.spmm import entry_args as spmm_entry_args
 from ..quant import LowBitWeight
+from ..quant.lowbit import nibble_records, tile_scale_zero, untile_scale_zero
 from ..timing import least_of_rounds
 from ..versions import changed, version_or_none
 from . import policy as P
@@ -213,10 +214,17 @@ class SparseLinear(nn.Module):
             if isinstance(probe, torch.Tensor) and probe.dtype not in (torch.float16, torch.bfloat16):
                 raise TypeError(f"a {self.format} SparseLinear keeps its weight in float16 or bfloat16, so it cannot "
                                 f"become {probe.dtype}; use .half() or .bfloat16(), or leave this layer out")
+            target = probe.dtype if isinstance(probe, torch.Tensor) else self.weight_dtype
             probe = fn(torch.empty(0, dtype=torch.int64, device=device))
             if isinstance(probe, torch.Tensor) and probe.dtype != torch.int64:
                 raise TypeError(f"this conversion would cast a {self.format} SparseLinear's integer arrays to "
                                 f"{probe.dtype}; use .half() or .bfloat16() to change its dtype")
+            sz = self._buffers.get("scale_zero")
+            if self.format == "lowbit" and target != sz.dtype and nibble_records(sz):
+                # The 4-bit zeros are bits inside the records, which a cast would convert as numbers:
+                # the records are rebuilt in the new dtype (scales cast, zeros unchanged), then moved.
+                self._buffers["scale_zero"] = tile_scale_zero(untile_scale_zero(sz, self.out_features).to(target),
+                                                              self._aux[0])
         self._choices = {}
         out = super()._apply(fn, recurse)
         self._trusted = self._snapshot()
@@ -499,7 +507,11 @@ class SparseLinear(nn.Module):
         # change, is cast by copy_ either way; taking the incoming dtype left the two apart).
         for name, buf in list(self._buffers.items()):
             incoming = state_dict.get(prefix + name)
-            if buf is not None and incoming is not None and incoming.shape != buf.shape and self.format == "tca-bme":
+            # (and a low-bit weight's records: zeros as 4-bit integers or in the dtype, lowbit.py)
+            records = (self.format == "lowbit" and name == "scale_zero" and isinstance(incoming, torch.Tensor)
+                       and incoming.dim() == 3 and buf is not None and incoming.shape[:2] == buf.shape[:2])
+            if (buf is not None and incoming is not None and incoming.shape != buf.shape
+                    and (self.format == "tca-bme" or records)):
                 dtype = buf.dtype if buf.is_floating_point() else incoming.dtype
                 self._buffers[name] = torch.empty(incoming.shape, dtype=dtype, device=buf.device)
         # A low-bit weight's column permutation (act order: GPTQ's g_idx) comes with the weight

@@ -12,12 +12,19 @@ Layout (chosen for the kernels; docs/quant.md):
   warp reads its share of the chunk (``bits`` consecutive words) and finds value ``s`` and
   value ``s + 16/bits`` of a word 16 bits apart, ready for a one-instruction conversion to a
   half2. Inside a word, stream value ``j`` occupies bits ``[bits*j, bits*(j+1))``.
-* ``scale_zero``: ``[Mp/64, K / group_size, 64, 2]`` in the weight dtype (fp16/bf16): each
-  group's scale and zero side by side (one aligned 4-byte copy for the kernel), in tiles of 64
-  rows, so that a group's pairs of one 64-row block are 256 contiguous bytes (a kernel stage's
-  pairs then fill a few 32-byte sectors instead of one a row). Padding rows hold zeros.
-  ``LowBitWeight.scales`` and ``.zeros`` are ``[M, K/g]`` copies (:func:`untile_scale_zero`).
-  Zeros are floats so HQQ-style fractional zeros import exactly; the RTN quantizer stores integers.
+* ``scale_zero``: ``[Mp/64, K / group_size, R]`` in the weight dtype (fp16/bf16): one record
+  of ``R`` halves per 64-row tile and group, contiguous, so a kernel stage's scales and zeros of
+  a row block are a few 16-byte copies. Halves ``[0, 64)`` are the scales: half ``2 w + h`` of
+  word ``w = 8 b + i`` is row ``16 b + i + 8 h`` (b = 0..3, i = 0..7), so one word holds the
+  two rows an mma lane owns. The zeros follow, either as 64 more halves in the same order
+  (``R = 128``: fractional zeros such as HQQ's import exactly, and every 8-bit weight), or, at
+  1, 2 and 4 bits where every zero is an integer in [0, 15] (RTN, GPTQ), as 4-bit integers:
+  ``R = 80``, the 16 halves read as 8 words, word ``i`` holding row ``16 b + i``'s zero at bits
+  ``4 b`` and row ``16 b + i + 8``'s at bits ``16 + 4 b`` (raw bits, not numbers: never cast
+  such a tensor). A lane of the kernels then finds its two rows' zeros in its own word at a
+  shift that is the same for its whole warp. A 4-bit g128 row group is 66.5 bytes, not 68.
+  Padding rows hold zeros. ``LowBitWeight.scales`` and ``.zeros`` are ``[M, K/g]`` copies
+  (:func:`untile_scale_zero`).
 * ``perm`` (optional): int64 ``[K]``. GPTQ act-order checkpoints have groups scattered over K;
   importing permutes K once so groups are contiguous, and the op gathers ``x[..., perm]``.
 
@@ -42,7 +49,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 K_ALIGN = 256  # K padding: whole kernel stages (256 columns; two 128-column stages at 8 bits)
 CHUNK = 128  # columns per fragment-order chunk
 ROW_BLOCK = 64  # output rows per kernel block and per qweight tile
-FORMAT_VERSION = 3  # 2: fragment order inside each 128-column chunk; scale_zero interleaved; 3: in 64-row tiles
+FORMAT_VERSION = 4  # 2: fragment order inside each 128-column chunk; scale_zero interleaved; 3: in 64-row tiles;
+#                      4: records of scales then zeros, 4-bit integer zeros where they fit
 
 
 @dataclass(frozen=True)
@@ -125,36 +133,81 @@ def stage_cols(bits: int) -> int:
     return 128 if bits == 8 else 256
 
 
-def tile_scale_zero(scale_zero: torch.Tensor) -> torch.Tensor:
-    """``[M, G, 2]`` (scale, zero) pairs -> the stored ``[Mp/64, G, 64, 2]`` tiles (rows padded
-    with zeros to a multiple of 64)."""
+RECORD_DTYPE_ZEROS = 128  # halves of a record with zeros in the weight dtype
+RECORD_NIBBLE_ZEROS = 80  # halves of a record with 4-bit integer zeros
+NIBBLE_MAX = 15
+
+
+def _record_rows() -> torch.Tensor:
+    """Row (0..63 of the tile) of each of a record's 64 scale halves: half ``16 b + 2 i + h`` is
+    row ``16 b + i + 8 h``."""
+    p = torch.arange(ROW_BLOCK)
+    b, i, h = p // 16, (p % 16) // 2, p % 2
+    return 16 * b + i + 8 * h
+
+
+def nibble_zeros_fit(zeros: torch.Tensor, bits: int) -> bool:
+    """Whether ``zeros`` (any shape) are stored as 4-bit integers: 1, 2 or 4 bits, and every zero
+    an integer in [0, 15]."""
+    if bits > 4:
+        return False
+    z = zeros.float()
+    return bool(((z == torch.round(z)) & (z >= 0) & (z <= NIBBLE_MAX)).all())
+
+
+def tile_scale_zero(scale_zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[M, G, 2]`` (scale, zero) pairs -> the stored ``[Mp/64, G, R]`` records (module
+    docstring): 4-bit integer zeros where :func:`nibble_zeros_fit`, else zeros in the dtype. Rows
+    are padded with zeros to a multiple of 64."""
     m, groups, _ = scale_zero.shape
     mb = -(-m // ROW_BLOCK)
     padded = torch.nn.functional.pad(scale_zero, (0, 0, 0, 0, 0, mb * ROW_BLOCK - m))
-    return padded.reshape(mb, ROW_BLOCK, groups, 2).transpose(1, 2).contiguous()
+    tiles = padded.reshape(mb, ROW_BLOCK, groups, 2).permute(0, 2, 3, 1)  # [mb, G, 2, 64 rows]
+    rows = _record_rows().to(scale_zero.device)
+    scales = tiles[:, :, 0, rows]
+    if not nibble_zeros_fit(scale_zero[..., 1], bits):
+        return torch.cat((scales, tiles[:, :, 1, rows]), dim=-1).contiguous()
+    z = tiles[:, :, 1].float().to(torch.int64).reshape(mb, groups, 4, 2, 8)  # rows 16 b + 8 h + i
+    shifts = 4 * torch.arange(4, device=z.device)[:, None, None] + 16 * torch.arange(2, device=z.device)[:, None]
+    words = (z << shifts).sum(dim=(2, 3))  # over b and h: [mb, G, 8], word i
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return torch.cat((scales, words.view(scale_zero.dtype)), dim=-1).contiguous()
 
 
 def untile_scale_zero(scale_zero: torch.Tensor, m: int) -> torch.Tensor:
-    """The stored ``[Mp/64, G, 64, 2]`` tiles -> ``[M, G, 2]``: always a copy, made once (a
-    reshape of the transposed tiles would be a view where G = 1 and a copy elsewhere)."""
-    mb, groups, rows, two = scale_zero.shape
-    out = scale_zero.new_empty(mb, rows, groups, two)
-    out.copy_(scale_zero.transpose(1, 2))
-    return out.flatten(0, 1)[:m]
+    """The stored ``[Mp/64, G, R]`` records -> ``[M, G, 2]`` (scale, zero) pairs: a copy."""
+    mb, groups, halves = scale_zero.shape
+    order = torch.argsort(_record_rows()).to(scale_zero.device)  # the half of each row
+    scales = scale_zero[..., :ROW_BLOCK][..., order]
+    if halves == RECORD_DTYPE_ZEROS:
+        zeros = scale_zero[..., ROW_BLOCK:][..., order]
+    else:
+        words = scale_zero[..., ROW_BLOCK:].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        r = torch.arange(ROW_BLOCK, device=scale_zero.device)
+        word = r % 8
+        shift = 16 * ((r % 16) // 8) + 4 * (r // 16)
+        zeros = ((words[..., word] >> shift) & NIBBLE_MAX).to(scale_zero.dtype)
+    pairs = torch.stack((scales, zeros), dim=-1)  # [mb, G, 64, 2]
+    return pairs.transpose(1, 2).reshape(mb * ROW_BLOCK, groups, 2)[:m].contiguous()
+
+
+def nibble_records(scale_zero: torch.Tensor) -> bool:
+    """Whether stored records hold 4-bit integer zeros (``R = 80``)."""
+    return scale_zero.shape[-1] == RECORD_NIBBLE_ZEROS
 
 
 def exact_integer_zeros(scale_zero: torch.Tensor, bits: int) -> bool:
-    """Whether every zero of ``scale_zero`` (stored tiles, or ``[M, K/g, 2]``) is an integer ``z`` that the fused
-    kernel subtracts inside the tensor-core fragments (``kZeroLo`` / ``kZeroHi`` in
-    spinfer/csrc/lowbit_mm.cuh): ``magic + z`` must be exact in the weight dtype (magic 1024 in
-    fp16, 128 in bf16), so ``z`` in [-1024, 1023] (fp16) or [-128, 127] (bf16); at 8 bits in bf16
-    the kernel splits ``q`` and ``z`` at bit 7 instead, for ``z`` in [0, 255]. With this true the
-    kernel skips the per-segment check that sends any other zero through its sum(x) path."""
-    z = scale_zero[..., 1].float()
-    if scale_zero.dtype == torch.float16:
-        lo, hi = -1024.0, 1023.0
-    else:
-        lo, hi = (0.0, 255.0) if bits == 8 else (-128.0, 127.0)
+    """Whether the kernels take every zero of the stored records as an exact integer, with no check
+    of their own. At 1, 2 and 4 bits: the records hold 4-bit integer zeros (other zeros, even
+    integers, go through the kernels' per-segment check, which is exact too). At 8 bits: every
+    zero ``z`` is an integer the fused kernel subtracts inside the tensor-core fragments
+    (``kZeroLo`` / ``kZeroHi`` in spinfer/csrc/lowbit_mm.cuh): ``magic + z`` exact in the weight
+    dtype (magic 1024 in fp16, 128 in bf16), so ``z`` in [-1024, 1023] (fp16); in bf16 the kernel
+    splits ``q`` and ``z`` at bit 7, for ``z`` in [0, 255]."""
+    if bits <= 4:
+        return nibble_records(scale_zero)
+    z = scale_zero[..., ROW_BLOCK:].float()
+    lo, hi = (-1024.0, 1023.0) if scale_zero.dtype == torch.float16 else (0.0, 255.0)
     return bool(((z == torch.round(z)) & (z >= lo) & (z <= hi)).all())
 
 
@@ -227,8 +280,8 @@ class LowBitWeight:
         validate: bool = True,
         scale_zero: Optional[torch.Tensor] = None,
     ):
-        """``scales`` and ``zeros`` ``[M, K/g]`` are stored interleaved in 64-row tiles; or pass
-        them already stored so as ``scale_zero`` ``[Mp/64, K/g, 64, 2]`` (with
+        """``scales`` and ``zeros`` ``[M, K/g]`` are stored as records of 64-row tiles (module
+        docstring); or pass them already stored so as ``scale_zero`` ``[Mp/64, K/g, R]`` (with
         ``scales=zeros=None``), as the op and modules do, to skip the copy."""
         try:
             m, k = (int(v) for v in shape)
@@ -250,7 +303,7 @@ class LowBitWeight:
                                  f"{tuple(zeros.shape)} on {zeros.device}")
             if scales.dim() != 2:
                 raise ValueError(f"scales and zeros must be [M, K/g], got {tuple(scales.shape)}")
-            scale_zero = tile_scale_zero(torch.stack((scales, zeros), dim=-1).detach())
+            scale_zero = tile_scale_zero(torch.stack((scales, zeros), dim=-1).detach(), self.bits)
         elif scales is not None or zeros is not None:
             raise ValueError("pass scales and zeros, or scale_zero, not both")
         self.qweight, self.scale_zero, self.perm = qweight, scale_zero, perm
@@ -393,9 +446,11 @@ class LowBitWeight:
         if not isinstance(sz, torch.Tensor) or sz.dtype not in SUPPORTED_DTYPES:
             raise TypeError("scales and zeros must be float16 or bfloat16 tensors")
         mb = -(-m // ROW_BLOCK)
-        if sz.shape != (mb, groups, ROW_BLOCK, 2):
-            raise ValueError(f"scales and zeros must be [{m}, {groups}] (scale_zero [{mb}, {groups}, {ROW_BLOCK}, 2]), "
-                             f"got scale_zero {tuple(sz.shape)}")
+        widths = (RECORD_NIBBLE_ZEROS, RECORD_DTYPE_ZEROS) if self.bits <= 4 else (RECORD_DTYPE_ZEROS,)
+        if sz.dim() != 3 or sz.shape[:2] != (mb, groups) or sz.shape[2] not in widths:
+            want = " or ".join(f"[{mb}, {groups}, {w}]" for w in widths)
+            raise ValueError(f"scales and zeros must be [{m}, {groups}] (scale_zero records {want} at {self.bits} bits; "
+                             f"docs/quant.md), got scale_zero {tuple(sz.shape)}")
         if self.perm is not None:
             if self.perm.shape != (k,) or self.perm.dtype != torch.int64:
                 raise ValueError(f"perm must be an int64 [{k}] tensor")
@@ -412,8 +467,8 @@ class LowBitWeight:
 
     @property
     def scales(self) -> torch.Tensor:
-        """``[M, K/g]`` scales: a copy (the stored pairs are in 64-row tiles; edit ``scale_zero``,
-        whose ``[..., 0]`` they are, or build a new weight)."""
+        """``[M, K/g]`` scales: a copy (the stored records are in 64-row tiles, module docstring;
+        build a new weight to change them)."""
         return untile_scale_zero(self.scale_zero, self.shape[0])[..., 0]
 
     @property
@@ -458,8 +513,8 @@ class LowBitWeight:
         def size(t):
             return 0 if t is None else t.numel() * t.element_size()
 
-        half = size(self.scale_zero) // 2
-        return LowBitStorage(size(self.qweight), half, half, size(self.perm))
+        scales = size(self.scale_zero[..., :ROW_BLOCK])
+        return LowBitStorage(size(self.qweight), scales, size(self.scale_zero) - scales, size(self.perm))
 
     @property
     def compression_ratio(self) -> float:

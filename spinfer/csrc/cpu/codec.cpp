@@ -358,7 +358,7 @@ constexpr std::array<std::array<uint8_t, 128>, 4> make_x_slot() {
 constexpr auto kXSlot = make_x_slot();
 
 // The columns of one word of a chunk lie in one aligned block of kWordSpan[b] columns (checked
-// below), so where a group holds whole blocks, each word has one (scale, zero) pair.
+// below), so where a group holds whole blocks, each word has one scale and zero.
 constexpr std::array<int, 4> kWordSpan{128, 64, 32, 16};
 constexpr bool words_within_span() {
     for (int b = 0; b < 4; ++b) {
@@ -387,11 +387,32 @@ constexpr auto kWordColumn = make_word_column();
 
 struct LowBit {
     const uint32_t* qweight;   // [Mp/64, Kp/S, 64, S bits / 32]
-    const uint16_t* scale_zero;  // [Mp/64, K/g, 64, 2]
+    const uint16_t* scale_zero;  // [Mp/64, K/g, R] records: R = 80 with 4-bit zeros (nibble_zeros), else 128
     int64_t m, k, group_size;
     int bits;
     bool bf16;
+    bool nibble_zeros;
 };
+
+// The scale and zero of row `row` and group g in float32, from the records (spinfer/quant/lowbit.py,
+// spinfer/csrc/lowbit_mm.h): per 64-row tile and group, 64 scale halves, half 2 (8 b + i) + h for
+// row 16 b + i + 8 h, then 64 zero halves in the same order or 8 words of 4-bit zeros, word i
+// holding row 16 b + i + 8 h's at bit 16 h + 4 b.
+template <bool kBf16>
+inline void scale_zero_of(const LowBit& w, int64_t row, int64_t g, float& scale, float& zero) {
+    const int64_t halves = w.nibble_zeros ? 80 : 128, groups = w.k / w.group_size;
+    const uint16_t* const rec = w.scale_zero + (row / 64 * groups + g) * halves;
+    const int r = static_cast<int>(row % 64), b = r / 16, i = r % 8, h = (r % 16) / 8;
+    const int half = 2 * (8 * b + i) + h;
+    scale = kBf16 ? bf16_to_float(rec[half]) : fp16_to_float(rec[half]);
+    if (w.nibble_zeros) {
+        const uint16_t* const word = rec + 64 + 2 * i;
+        const uint32_t bits = static_cast<uint32_t>(word[0]) | static_cast<uint32_t>(word[1]) << 16;
+        zero = static_cast<float>((bits >> (16 * h + 4 * b)) & 15u);
+    } else {
+        zero = kBf16 ? bf16_to_float(rec[64 + half]) : fp16_to_float(rec[64 + half]);
+    }
+}
 
 // Columns [c0, c0 + 128) of one row of the dequantized weight (those below k) into dst:
 // ((q - zero) * scale) in float32, rounded once, as the reference computes it. The chunk's values
@@ -407,7 +428,6 @@ void dequantize_chunk(const LowBit& w, int64_t row, int64_t c0, uint16_t* dst) {
     const int64_t stages = (k + 255) / 256 * 256 / kStage, groups = k / group_size;
     const uint8_t* const index = kStreamIndex[__builtin_ctz(static_cast<unsigned>(kBits))].data();
     const int64_t block = row / 64, r = row % 64;
-    const uint16_t* const pairs = w.scale_zero + (block * groups * 64 + r) * 2;  // group g at + 128 g
     const uint32_t* words = w.qweight + ((block * stages + c0 / kStage) * 64 + r) * kStageWords +
                             (c0 % kStage) / 128 * kChunkWords;
     alignas(16) float q[128];
@@ -419,9 +439,8 @@ void dequantize_chunk(const LowBit& w, int64_t row, int64_t c0, uint16_t* dst) {
     for (int64_t c = 0; c < end;) {  // one group's segment at a time
         const int64_t g = (c0 + c) / group_size;
         const int64_t seg_end = std::min<int64_t>(end, (g + 1) * group_size - c0);
-        const uint16_t* pair = pairs + g * 128;
-        const float scale = kBf16 ? bf16_to_float(pair[0]) : fp16_to_float(pair[0]);
-        const float zero = kBf16 ? bf16_to_float(pair[1]) : fp16_to_float(pair[1]);
+        float scale, zero;
+        scale_zero_of<kBf16>(w, row, g, scale, zero);
 #ifdef __F16C__
         if constexpr (!kBf16) {  // 4 at a time through the hardware's conversion (also RNE)
             const __m128 zv = _mm_set1_ps(zero), sv = _mm_set1_ps(scale);
@@ -447,7 +466,7 @@ void dequantize_rows(const LowBit& w, int64_t row0, int64_t row1, uint16_t* out)
     }
 }
 
-// Where each word of a row's chunks takes its (scale, zero) pair: the same for every row. A chunk
+// Where each word of a row's chunks takes its scale and zero: the same for every row. A chunk
 // meets at most 4 groups (groups of 32 columns or more, kWordSpan): its first group `first[ch]`
 // and, per word, the offset from it (0-3), or 4 for a word past k (a zero pair); `uniform[ch]`
 // where every word has the same one.
@@ -490,17 +509,12 @@ void dequantize_chunk_slots(const LowBit& w, int64_t row, int64_t c0, const Chun
     const int64_t k = w.k, ngroups = k / w.group_size, ch = c0 / 128;
     const int64_t stages = (k + 255) / 256 * 256 / kStage;
     const int64_t block = row / 64, r = row % 64;
-    const uint16_t* const pairs = w.scale_zero + (block * ngroups * 64 + r) * 2;  // group g at + 128 g
     const uint32_t* words = w.qweight + ((block * stages + c0 / kStage) * 64 + r) * kStageWords +
                             (c0 % kStage) / 128 * kChunkWords;
     // the chunk's pairs in float32, once; slot 4: a word past k
     alignas(16) float scale[5] = {}, zero[5] = {};
     const int32_t first = cg.first[ch];
-    for (int i = 0; i < 4 && first + i < ngroups; ++i) {
-        const uint16_t* pair = pairs + (first + i) * 128;
-        scale[i] = kBf16 ? bf16_to_float(pair[0]) : fp16_to_float(pair[0]);
-        zero[i] = kBf16 ? bf16_to_float(pair[1]) : fp16_to_float(pair[1]);
-    }
+    for (int i = 0; i < 4 && first + i < ngroups; ++i) scale_zero_of<kBf16>(w, row, first + i, scale[i], zero[i]);
     const uint8_t* const offset = cg.offset.data() + ch * kChunkWords;
     const bool uniform = cg.uniform[ch] != 0;
     __m128 sv = _mm_set1_ps(scale[offset[0]]), zv = _mm_set1_ps(zero[offset[0]]);
@@ -768,7 +782,7 @@ void widen_rows(const uint16_t* x, int64_t n, int64_t k, bool bf16, float* out, 
 extern "C" {
 
 // Version of this interface; spinfer/cpu_kernels.py refuses a library that reports another.
-int spinfer_cpu_abi_version() { return 6; }
+int spinfer_cpu_abi_version() { return 7; }
 
 // Dense [m, k] (row-major, the 16-bit patterns of the values' dtype) from TCA-BME arrays.
 // Returns 0; 1 if a GroupTile's run reaches past `values` (out is then incomplete); 2 for
@@ -785,14 +799,16 @@ int spinfer_tca_bme_decode(const uint64_t* bitmap, const uint16_t* values, int64
 
 // Dense [m, k] in the scales' dtype (the 16-bit patterns; bf16 != 0 for bf16, else fp16) from a
 // low-bit weight: qweight [ceil(m / 64), Kp / S, 64, S bits / 32] (Kp = k rounded up to 256,
-// S = 128 at 8 bits, else 256) and scale_zero [ceil(m / 64), k / group_size, 64, 2], the sizes
+// S = 128 at 8 bits, else 256) and scale_zero [ceil(m / 64), k / group_size, R] records (R = 80
+// halves where nibble_zeros != 0: 4-bit zeros, at 1, 2 and 4 bits only; else 128), the sizes
 // spinfer/cpu_kernels.py checks. Columns in the stored K order (the caller undoes a permutation).
 // Returns 0, or 2 for arguments it cannot take.
 int spinfer_lowbit_dequantize(const uint32_t* qweight, const uint16_t* scale_zero, int64_t m, int64_t k, int bits,
-                              int64_t group_size, int bf16, uint16_t* out, int threads) {
-    if (m < 1 || k < 1 || group_size < 1 || k % group_size || (bits != 1 && bits != 2 && bits != 4 && bits != 8))
+                              int64_t group_size, int bf16, int nibble_zeros, uint16_t* out, int threads) {
+    if (m < 1 || k < 1 || group_size < 1 || k % group_size || (bits != 1 && bits != 2 && bits != 4 && bits != 8) ||
+        (nibble_zeros && bits == 8))
         return 2;
-    const LowBit w{qweight, scale_zero, m, k, group_size, bits, bf16 != 0};
+    const LowBit w{qweight, scale_zero, m, k, group_size, bits, bf16 != 0, nibble_zeros != 0};
     // rows in blocks of 64, so that threads do not share the cache lines of a tile's rows
     parallel_rows((m + 63) / 64, threads, [&](int64_t a, int64_t b) {
         const int64_t r0 = a * 64, r1 = std::min(m, b * 64);
@@ -880,11 +896,12 @@ int spinfer_tca_bme_spmm(const uint64_t* bitmap, const uint16_t* values, int64_t
 // transpose (stored K order), without the dense weight; arguments as spinfer_lowbit_dequantize's.
 // Returns 0, or 2 for arguments it cannot take.
 int spinfer_lowbit_spmm(const uint32_t* qweight, const uint16_t* scale_zero, int64_t m, int64_t k, int bits,
-                        int64_t group_size, int bf16, const uint16_t* x, int64_t n, float* y, int threads) {
+                        int64_t group_size, int bf16, int nibble_zeros, const uint16_t* x, int64_t n, float* y,
+                        int threads) {
     if (m < 1 || k < 1 || n < 1 || group_size < 1 || k % group_size ||
-        (bits != 1 && bits != 2 && bits != 4 && bits != 8))
+        (bits != 1 && bits != 2 && bits != 4 && bits != 8) || (nibble_zeros && bits == 8))
         return 2;
-    const LowBit w{qweight, scale_zero, m, k, group_size, bits, bf16 != 0};
+    const LowBit w{qweight, scale_zero, m, k, group_size, bits, bf16 != 0, nibble_zeros != 0};
     // x in float32, zero-padded to Kp; for the slot-order unpack (where SSE2 and the groups allow
     // it) permuted within each chunk to match.
     const int64_t kp = (k + 127) / 128 * 128;

@@ -83,7 +83,6 @@ int main(int argc, char** argv) {
     a.x = x, a.qweight = static_cast<const uint32_t*>(qw), a.scale_zero = sz, a.y = y;
     a.m = m, a.n = n, a.kp = k, a.group_shift = 7, a.groups = groups, a.bits = 4;
     a.rotate = lowbit_rotate();  // as the library: SPINFER_LOWBIT_ROTATE=0 turns it off
-    a.record_words = record_words(false);  // (lowbit_mm_run sets it in the library)
     LowbitPlan p{};
     p.bn = bn, p.n_tiles = 1, p.row_blocks = m / 64, p.chunks = k / 128, p.ng = 1, p.pdl = false;
     const BalancedGrid g =

@@ -563,6 +563,7 @@ struct GemvLauncher {
       if (const cudaError_t e = allow_smem_once(kernel, smem, allowed); e != cudaSuccess) return e;
     }
     LowbitArgs a = args;
+    a.record_words = record_words(BITS <= 4 && args.nibble_zeros);
     if (kTail) a.tail_first = plan.tail_first, a.tail_splits = plan.tail_splits, a.tail_iters = plan.tail_iters;
     // The ring's cp.async stream evicts L2 under the normal policy (the register loader's
     // ld.global.nc stream does not: docs/kernels.md, v13).

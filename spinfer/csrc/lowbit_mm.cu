@@ -415,9 +415,7 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
 }
 
 cudaError_t lowbit_mm_run(const LowbitArgs& a, const LowbitPlan& p, cudaStream_t stream) {
-  LowbitArgs args = a;
-  args.record_words = record_words(a.nibble_zeros);
-  return a.bf16 ? lowbit::launch_for<true>(args, p, stream) : lowbit::launch_for<false>(args, p, stream);
+  return a.bf16 ? lowbit::launch_for<true>(a, p, stream) : lowbit::launch_for<false>(a, p, stream);
 }
 
 }  // namespace spinfer

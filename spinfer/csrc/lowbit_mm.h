@@ -27,8 +27,10 @@ struct LowbitArgs {
   bool integer_zeros;      // every zero is exact in the fast decode (LowBitWeight.integer_zeros): skip its check;
                            // at 1, 2 and 4 bits only with nibble_zeros
   bool nibble_zeros;       // the records hold 4-bit integer zeros (1, 2 and 4 bits; record_words)
-  int record_words;        // record_words(nibble_zeros): set by the launch (read from the constant
-                           // bank where used: local copies of it cost registers, and spills)
+  // Set by the GEMV's launch (lowbit_gemv.cuh), its only reader: record_words(nibble_zeros), read
+  // from the constant bank. Computed in the kernel instead, 2-bit g128 took 64 -> 70 registers
+  // (sm_90a), a resident block fewer.
+  int record_words;
   int rotate;              // stage-order rotation (kLowbitRotate; SPINFER_LOWBIT_ROTATE overrides, 0: off)
   // Set by the launch from the plan (kernel arguments live in the constant bank, not in the
   // loop's registers): rows from tail_first on are split tail_splits ways, tail_iters stages each.

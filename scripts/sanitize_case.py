@@ -10,7 +10,10 @@ and tensor copies of the activations, boxes below a tile (N = 20) and past N (33
 loader under SPINFER_LOADER=cp_async, as scripts/device_check.sh runs both); the low-bit GEMV
 kernel at every width, two groups a chunk below 4 bits and at 8, both loaders (registers and the
 shared-memory ring, the ring with blocks of 8 warps and of 4), with both zero-point paths, and its split tail rows; the weight-to-dense
-kernels on odd shapes, with corrupt TCA-BME offsets."""
+kernels on odd shapes, with corrupt TCA-BME offsets.
+
+SANITIZE_PARTS (a comma list of spmm, lowbit, gemv, dense; default all) runs some of them: racecheck
+of every part takes more than 5 minutes."""
 
 import os
 
@@ -20,7 +23,8 @@ import spinfer
 from spinfer.format import TCABME
 
 spinfer.build.load_extension()
-for m, k, n, splits, stages, decode, budget, count, stagger in [
+PARTS = os.environ.get("SANITIZE_PARTS", "spmm,lowbit,gemv,dense").split(",")
+for m, k, n, splits, stages, decode, budget, count, stagger in [] if "spmm" not in PARTS else [
         (64, 64, 1, "1", "2", "lean", "9", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1"),
         (4097, 1000, 9, "3", "2", "lean", "8", "1", "1"), (200, 700, 33, "2", "4", "safe", "9", "0", "0"),
         (300, 1450, 5, "3", "3", "lean", "7", "1", "1"), (300, 1450, 24, "2", "2", "lean", "9", "0", "1"),
@@ -46,7 +50,7 @@ for m, k, n, splits, stages, decode, budget, count, stagger in [
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, 8)  # too small
 from spinfer.quant import LowBitWeight  # noqa: E402
 
-for bits in (1, 2, 4, 8):
+for bits in (1, 2, 4, 8) if "lowbit" in PARTS else ():
     for m, k, group, n, splits in [(333, 1000, None, 1, "1"), (70, 1280, 64, 16, "3"), (130, 1152, 32, 33, "2"),
                                    (64, 256, 128, 8, "1"), (70, 1792, 64, 5, "2"), (333, 1000, None, 9, "-1"),
                                    (333, 1000, None, 20, "-1"), (1000, 512, 64, 1, "-1")]:
@@ -64,20 +68,20 @@ for bits in (1, 2, 4, 8):
             spinfer.lowbit_mm(x, LowBitWeight(q.qweight, q.scales, q.zeros + 0.5, bits, group, (m, k)), out=out)
 # row pairs (128-row blocks): a last pair without its second row block (M = 4097, 70), split and not
 os.environ["SPINFER_LOWBIT_PAIRS"] = "1"
-for bits in (1, 2, 4, 8):
+for bits in (1, 2, 4, 8) if "lowbit" in PARTS else ():
     for m, k, group, n, splits in [(4097, 512, 128, 16, "1"), (200, 1280, 32, 33, "2"), (70, 1000, None, 8, "1")]:
         os.environ["SPINFER_LOWBIT_SPLITS"] = splits
         os.environ["SPINFER_LOWBIT_XSUM"] = "1" if n % 2 else "0"
         for dt in (torch.float16, torch.bfloat16):
             q = LowBitWeight.quantize(torch.randn(m, k, device="cuda").to(dt), bits, group)
             spinfer.lowbit_mm(torch.randn(n, k, device="cuda").to(dt), q, torch.randn(m, device="cuda").to(dt))
-os.environ.pop("SPINFER_LOWBIT_PAIRS")
-os.environ.pop("SPINFER_LOWBIT_SPLITS")
+os.environ.pop("SPINFER_LOWBIT_PAIRS", None)
+os.environ.pop("SPINFER_LOWBIT_SPLITS", None)
 # the GEMV kernel (lowbit_gemv.cuh, N = 1): odd M and K, one row, a warp with no stage, a K of many
 # stages a warp (each warp's two x buffers, or its ring's two slots, refilled), both loaders (the
 # ring with 8 and 4 warps a block), both zero-point paths, the integer check skipped and not
 os.environ["SPINFER_LOWBIT_GEMV"] = "1"
-for bits in (1, 2, 4, 8):
+for bits in (1, 2, 4, 8) if "gemv" in PARTS else ():
     for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128 if bits == 4 else 64),
                         (17, 9216, 128)]:
         for xsum, ring, warps in (("0", "0", "8"), ("1", "0", "8"), ("0", "2", "8"), ("1", "2", "8"), ("0", "2", "4"),
@@ -98,9 +102,9 @@ from spinfer.ops.lowbit_mm import lowbit_plan  # noqa: E402
 
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 os.environ["SPINFER_LOWBIT_RING"] = "0"  # (the ring never splits its tail rows)
-os.environ.pop("SPINFER_GEMV_WARPS")
+os.environ.pop("SPINFER_GEMV_WARPS", None)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
-for bits in (2, 8):
+for bits in (2, 8) if "gemv" in PARTS else ():
     q = LowBitWeight.quantize(torch.randn(16, 6300, device="cuda").half(), bits, None)
     slots = sms * lowbit_plan(q, 1)["resident_blocks"]
     q = LowBitWeight.quantize(torch.randn(16 * (slots + 2) - 5, 6300, device="cuda").half(), bits, None)
@@ -108,17 +112,18 @@ for bits in (2, 8):
     for xsum in ("0", "1"):
         os.environ["SPINFER_LOWBIT_XSUM"] = xsum
         spinfer.lowbit_mm(torch.randn(1, 6300, device="cuda").half(), q, torch.randn(q.shape[0], device="cuda").half())
-os.environ.pop("SPINFER_LOWBIT_TAIL")
-os.environ.pop("SPINFER_LOWBIT_GEMV")
-os.environ.pop("SPINFER_LOWBIT_RING")
-os.environ.pop("SPINFER_LOWBIT_XSUM")
+os.environ.pop("SPINFER_LOWBIT_TAIL", None)
+os.environ.pop("SPINFER_LOWBIT_GEMV", None)
+os.environ.pop("SPINFER_LOWBIT_RING", None)
+os.environ.pop("SPINFER_LOWBIT_XSUM", None)
 # split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 sms = torch.cuda.get_device_properties(0).multi_processor_count
-q = LowBitWeight.quantize(torch.randn(64 * (sms + 2) - 5, 1792, device="cuda").half(), 4, 128)
-spinfer.lowbit_mm(torch.randn(3, 1792, device="cuda").half(), q)
+if "lowbit" in PARTS:
+    q = LowBitWeight.quantize(torch.randn(64 * (sms + 2) - 5, 1792, device="cuda").half(), 4, 128)
+    spinfer.lowbit_mm(torch.randn(3, 1792, device="cuda").half(), q)
 # weight to dense (to_dense.cu): odd shapes, every width, and corrupt offsets
-for dt in (torch.float16, torch.bfloat16):
+for dt in (torch.float16, torch.bfloat16) if "dense" in PARTS else ():
     w = torch.randn(130, 1001, device="cuda").to(dt)
     w[torch.rand(130, 1001, device="cuda") < 0.6] = 0
     enc = TCABME.from_dense(w)

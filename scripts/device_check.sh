@@ -4,6 +4,8 @@
 #   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
 #                           [bench-to-dense] [e2e] [host] [ncu-spmm] [ncu-lowbit]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
+#   SANITIZE_PARTS=lowbit,gemv (scripts/sanitize_case.py) narrows the sanitize step, whose racecheck of
+#   every part takes over 5 minutes a loader: run it in its own call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/spinfer-out}"

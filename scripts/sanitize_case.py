@@ -24,6 +24,8 @@ from spinfer.format import TCABME
 
 spinfer.build.load_extension()
 PARTS = os.environ.get("SANITIZE_PARTS", "spmm,lowbit,gemv,dense").split(",")
+if unknown := set(PARTS) - {"spmm", "lowbit", "gemv", "dense"}:  # a typo would check nothing and pass
+    raise SystemExit(f"SANITIZE_PARTS: unknown parts {sorted(unknown)}; choose from spmm, lowbit, gemv, dense")
 for m, k, n, splits, stages, decode, budget, count, stagger in [] if "spmm" not in PARTS else [
         (64, 64, 1, "1", "2", "lean", "9", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1"),
         (4097, 1000, 9, "3", "2", "lean", "8", "1", "1"), (200, 700, 33, "2", "4", "safe", "9", "0", "0"),

@@ -4,8 +4,10 @@
 #   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
 #                           [bench-to-dense] [e2e] [host] [ncu-spmm] [ncu-lowbit]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
-#   SANITIZE_PARTS=lowbit,gemv (scripts/sanitize_case.py) narrows the sanitize step, whose racecheck of
-#   every part takes over 5 minutes a loader: run it in its own call.
+#   The sanitize step runs three tools on scripts/sanitize_case.py with both loaders: more than one
+#   call's 10 minutes (racecheck of every part took over 5 minutes a loader). Narrow it with
+#   SANITIZE_TOOLS="racecheck", SANITIZE_LOADERS="bulk" and SANITIZE_PARTS=lowbit,gemv
+#   (sanitize_case.py), and run the pieces in their own calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/spinfer-out}"
@@ -33,8 +35,8 @@ if [[ " $steps " == *" tests-cp-async "* ]]; then
     tail -3 "$OUT/tests-cp-async.log"
 fi
 if [[ " $steps " == *" sanitize "* ]]; then
-    for loader in bulk cp_async; do
-        for tool in memcheck racecheck synccheck; do
+    for loader in ${SANITIZE_LOADERS:-bulk cp_async}; do
+        for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
             SPINFER_LOADER=$loader compute-sanitizer --tool "$tool" --error-exitcode 3 python3 scripts/sanitize_case.py \
                 >"$OUT/sanitize-$tool-$loader.log" 2>&1 && echo "compute-sanitizer $tool ($loader): clean" \
                 || { echo "compute-sanitizer $tool ($loader): FAILED"; tail -30 "$OUT/sanitize-$tool-$loader.log"; status=1; }

@@ -304,8 +304,8 @@ def _check_x(x: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
 def _check_lowbit(qweight, scale_zero, bits: int, group_size: int, m: int, k: int):
     """The arrays' dtypes and shapes against an ``m x k`` weight (the C++ side reads exactly these
     sizes); the arrays, contiguous, and 1 where the records hold 4-bit zeros (else 0)."""
-    from .quant.lowbit import RECORD_DTYPE_ZEROS, RECORD_NIBBLE_ZEROS, qweight_shape  # (the quant package imports
-    # the ops, which import this)
+    # (imported here: the quant package imports the ops, which import this module)
+    from .quant.lowbit import RECORD_DTYPE_ZEROS, RECORD_NIBBLE_ZEROS, qweight_shape
 
     if bits not in (1, 2, 4, 8) or group_size < 1 or k % group_size:
         raise ValueError(f"cannot dequantize {bits}-bit weights in groups of {group_size} over K = {k}")

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) lowbit_kernel(const LowbitToDenseArg
     const int r = row % kRecordTileRows;  // the row in its tile's record (lowbit_mm.h)
     const uint32_t* rec = static_cast<const uint32_t*>(a.scale_zero) +
                           record_word(row / kRecordTileRows, c0 >> a.group_shift, a.groups, record_words(a.nibble_zeros));
-    const int half = 16 * ((r % 16) / 8);
+    const int half = zero_shift_of(r, false);  // the row's half of its scale word (and of a dtype zero's)
     const uint32_t zw = rec[zero_word_of(r, a.nibble_zeros)];
     const float scale = D::to_float(static_cast<uint16_t>(rec[scale_word_of(r)] >> half));
     const float zero = a.nibble_zeros ? static_cast<float>((zw >> zero_shift_of(r, true)) & 15u)

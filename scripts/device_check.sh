@@ -6,7 +6,7 @@
 #   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
 #   The sanitize step runs three tools on scripts/sanitize_case.py with both loaders: more than one
 #   call's 10 minutes (racecheck of every part took over 5 minutes a loader). Narrow it with
-#   SANITIZE_TOOLS="racecheck", SANITIZE_LOADERS="bulk" and SANITIZE_PARTS=lowbit,gemv
+#   SANITIZE_TOOLS="racecheck", SANITIZE_LOADERS="bulk", SANITIZE_PARTS=lowbit,gemv and SANITIZE_BITS=2,8
 #   (sanitize_case.py), and run the pieces in their own calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -12,8 +12,9 @@ kernel at every width, two groups a chunk below 4 bits and at 8, both loaders (r
 shared-memory ring, the ring with blocks of 8 warps and of 4), with both zero-point paths, and its split tail rows; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets.
 
-SANITIZE_PARTS (a comma list of spmm, lowbit, gemv, dense; default all) runs some of them: racecheck
-of every part takes more than 5 minutes."""
+SANITIZE_PARTS (a comma list of spmm, lowbit, gemv, dense; default all) runs some of them, and
+SANITIZE_BITS (a comma list of 1, 2, 4, 8; default all) the low-bit widths of the lowbit and gemv
+parts: racecheck of every part takes more than 5 minutes, so the pieces run in processes of their own."""
 
 import os
 
@@ -26,6 +27,10 @@ spinfer.build.load_extension()
 PARTS = os.environ.get("SANITIZE_PARTS", "spmm,lowbit,gemv,dense").split(",")
 if unknown := set(PARTS) - {"spmm", "lowbit", "gemv", "dense"}:  # a typo would check nothing and pass
     raise SystemExit(f"SANITIZE_PARTS: unknown parts {sorted(unknown)}; choose from spmm, lowbit, gemv, dense")
+BITS = [b.strip() for b in os.environ.get("SANITIZE_BITS", "1,2,4,8").split(",")]
+if not set(BITS) <= {"1", "2", "4", "8"}:  # as with the parts: a typo must not pass having checked nothing
+    raise SystemExit(f"SANITIZE_BITS: {os.environ['SANITIZE_BITS']!r}; choose from 1, 2, 4, 8")
+BITS = [int(b) for b in BITS]
 for m, k, n, splits, stages, decode, budget, count, stagger in [] if "spmm" not in PARTS else [
         (64, 64, 1, "1", "2", "lean", "9", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1"),
         (4097, 1000, 9, "3", "2", "lean", "8", "1", "1"), (200, 700, 33, "2", "4", "safe", "9", "0", "0"),
@@ -52,7 +57,7 @@ for m, k, n, splits, stages, decode, budget, count, stagger in [] if "spmm" not 
         torch.ops.spinfer.spmm(x, enc.bitmap, enc.values, enc.gtile_offset, m, k, 64, 64, 8)  # too small
 from spinfer.quant import LowBitWeight  # noqa: E402
 
-for bits in (1, 2, 4, 8) if "lowbit" in PARTS else ():
+for bits in BITS if "lowbit" in PARTS else ():
     for m, k, group, n, splits in [(333, 1000, None, 1, "1"), (70, 1280, 64, 16, "3"), (130, 1152, 32, 33, "2"),
                                    (64, 256, 128, 8, "1"), (70, 1792, 64, 5, "2"), (333, 1000, None, 9, "-1"),
                                    (333, 1000, None, 20, "-1"), (1000, 512, 64, 1, "-1")]:
@@ -70,7 +75,7 @@ for bits in (1, 2, 4, 8) if "lowbit" in PARTS else ():
             spinfer.lowbit_mm(x, LowBitWeight(q.qweight, q.scales, q.zeros + 0.5, bits, group, (m, k)), out=out)
 # row pairs (128-row blocks): a last pair without its second row block (M = 4097, 70), split and not
 os.environ["SPINFER_LOWBIT_PAIRS"] = "1"
-for bits in (1, 2, 4, 8) if "lowbit" in PARTS else ():
+for bits in BITS if "lowbit" in PARTS else ():
     for m, k, group, n, splits in [(4097, 512, 128, 16, "1"), (200, 1280, 32, 33, "2"), (70, 1000, None, 8, "1")]:
         os.environ["SPINFER_LOWBIT_SPLITS"] = splits
         os.environ["SPINFER_LOWBIT_XSUM"] = "1" if n % 2 else "0"
@@ -83,7 +88,7 @@ os.environ.pop("SPINFER_LOWBIT_SPLITS", None)
 # stages a warp (each warp's two x buffers, or its ring's two slots, refilled), both loaders (the
 # ring with 8 and 4 warps a block), both zero-point paths, the integer check skipped and not
 os.environ["SPINFER_LOWBIT_GEMV"] = "1"
-for bits in (1, 2, 4, 8) if "gemv" in PARTS else ():
+for bits in BITS if "gemv" in PARTS else ():
     for m, k, group in [(333, 1000, None), (1, 256, 128), (4097, 1280, 256), (17, 2560, 128 if bits == 4 else 64),
                         (17, 9216, 128)]:
         for xsum, ring, warps in (("0", "0", "8"), ("1", "0", "8"), ("0", "2", "8"), ("1", "2", "8"), ("0", "2", "4"),
@@ -106,7 +111,7 @@ os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 os.environ["SPINFER_LOWBIT_RING"] = "0"  # (the ring never splits its tail rows)
 os.environ.pop("SPINFER_GEMV_WARPS", None)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
-for bits in (2, 8) if "gemv" in PARTS else ():
+for bits in [b for b in (2, 8) if b in BITS] if "gemv" in PARTS else ():
     q = LowBitWeight.quantize(torch.randn(16, 6300, device="cuda").half(), bits, None)
     slots = sms * lowbit_plan(q, 1)["resident_blocks"]
     q = LowBitWeight.quantize(torch.randn(16 * (slots + 2) - 5, 6300, device="cuda").half(), bits, None)
@@ -121,7 +126,7 @@ os.environ.pop("SPINFER_LOWBIT_XSUM", None)
 # split tail rows (schedule.cuh, tail_split): SMs + 2 row blocks, the 2 past the wave split 3 ways
 os.environ["SPINFER_LOWBIT_TAIL"] = "3"
 sms = torch.cuda.get_device_properties(0).multi_processor_count
-if "lowbit" in PARTS:
+if "lowbit" in PARTS and 4 in BITS:
     q = LowBitWeight.quantize(torch.randn(64 * (sms + 2) - 5, 1792, device="cuda").half(), 4, 128)
     spinfer.lowbit_mm(torch.randn(3, 1792, device="cuda").half(), q)
 # weight to dense (to_dense.cu): odd shapes, every width, and corrupt offsets

@@ -19,7 +19,7 @@ from ..ops.lowbit_mm import fused_max_n
 from ..ops.spmm import CPU_DIRECT_MAX_N
 from ..ops.spmm import entry_args as spmm_entry_args
 from ..quant import LowBitWeight
-from ..quant.lowbit import nibble_records, tile_scale_zero, untile_scale_zero
+from ..quant.lowbit import nibble_records, records_from_format3, tile_scale_zero, untile_scale_zero
 from ..timing import least_of_rounds
 from ..versions import changed, version_or_none
 from . import policy as P
@@ -502,6 +502,8 @@ class SparseLinear(nn.Module):
             raise ValueError(
                 f"{prefix or 'SparseLinear'}: state_dict holds a {fmt.get(theirs[1], '?')} {theirs[2]}x{theirs[3]} weight "
                 f"{tuple(theirs[4:6])}, this layer is {self.format} {ours[2]}x{ours[3]} {tuple(ours[4:6])}")
+        if self.format == "lowbit":
+            state_dict = self._incoming_records(state_dict, prefix + "scale_zero", theirs[4])
         # TCA-BME arrays change length with the nonzeros: take the incoming sizes. The values keep
         # the layer's dtype, as load_state_dict keeps any module's (the bias, whose shape does not
         # change, is cast by copy_ either way; taking the incoming dtype left the two apart).
@@ -541,6 +543,20 @@ class SparseLinear(nn.Module):
         # than the first call, and a model compiled after loading finds the layer derived.
         if not error_msgs:
             self._derive()
+
+    def _incoming_records(self, state_dict, key: str, bits: int):
+        """A low-bit state's ``scale_zero`` in the form this layer loads: format 3's tiles of
+        (scale, zero) pairs (saved before format 4; qweight is the same) become records, and records
+        of 4-bit zeros in another dtype are rebuilt in this layer's, because the cast that loading
+        makes would convert their bits as numbers. Returns the dict, or a copy where that changed."""
+        incoming, buf = state_dict.get(key), self._buffers.get("scale_zero")
+        if not isinstance(incoming, torch.Tensor) or buf is None:
+            return state_dict  # (missing: load_state_dict reports it)
+        records = records_from_format3(incoming, self.out_features, bits) if incoming.dim() == 4 else incoming
+        if (records.dim() == 3 and records.dtype != buf.dtype and nibble_records(records)
+                and records.dtype in (torch.float16, torch.bfloat16) and records.shape[:2] == buf.shape[:2]):
+            records = tile_scale_zero(untile_scale_zero(records, self.out_features).to(buf.dtype), bits)
+        return state_dict if records is incoming else {**state_dict, key: records}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "

@@ -191,6 +191,20 @@ def untile_scale_zero(scale_zero: torch.Tensor, m: int) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(mb * ROW_BLOCK, groups, 2)[:m].contiguous()
 
 
+def records_from_format3(scale_zero, m: int, bits: int) -> torch.Tensor:
+    """Format 3's ``[Mp/64, G, 64, 2]`` (scale, zero) tiles, as checkpoints saved before format 4
+    hold them, -> this format's records (:func:`tile_scale_zero`). ``qweight`` is laid out the
+    same in both, so this is the whole conversion."""
+    if not isinstance(scale_zero, torch.Tensor) or scale_zero.dim() != 4 or tuple(scale_zero.shape[2:]) != (ROW_BLOCK, 2):
+        shape = tuple(scale_zero.shape) if isinstance(scale_zero, torch.Tensor) else type(scale_zero).__name__
+        raise ValueError(f"a format 3 scale_zero is [Mp/64, K/group_size, {ROW_BLOCK}, 2], got {shape}")
+    mb, groups = scale_zero.shape[:2]
+    if mb != -(-m // ROW_BLOCK):
+        raise ValueError(f"a format 3 scale_zero of {m} rows has {-(-m // ROW_BLOCK)} tiles, got {mb}")
+    pairs = scale_zero.transpose(1, 2).reshape(mb * ROW_BLOCK, groups, 2)[:m]
+    return tile_scale_zero(pairs, bits)
+
+
 def nibble_records(scale_zero: torch.Tensor) -> bool:
     """Whether stored records hold 4-bit integer zeros (``R = 80``)."""
     return scale_zero.shape[-1] == RECORD_NIBBLE_ZEROS
@@ -536,9 +550,12 @@ class LowBitWeight:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "LowBitWeight":
-        m, k, bits, g = read_meta(state, ("qweight", "scale_zero"), "LowBitWeight", FORMAT_VERSION, 5)
+        m, k, bits, g = read_meta(state, ("qweight", "scale_zero"), "LowBitWeight", FORMAT_VERSION, 5, older=(3,))
+        scale_zero = state["scale_zero"]
+        if int(state["meta"][0]) == 3:  # saved before format 4: the same qweight, (scale, zero) pairs in tiles
+            scale_zero = records_from_format3(scale_zero, m, check_bits(bits))
         return cls(state["qweight"], None, None, bits, None if g == k else g, (m, k), state.get("perm"),
-                   scale_zero=state["scale_zero"])
+                   scale_zero=scale_zero)
 
     def __repr__(self) -> str:
         m, k = self.shape

@@ -35,6 +35,7 @@ import torch
 from .cache import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu" / "codec.cpp"
+HEADERS = (Path(__file__).resolve().parent / "csrc" / "record_layout.h",)  # what SOURCE includes of ours
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 ABI_VERSION = 7  # spinfer_cpu_abi_version() of the source above
 
@@ -78,9 +79,11 @@ def flags() -> list:
 
 
 def library_path(cxx: str) -> Path:
-    """Where the library built by ``cxx`` lives: keyed by the source, the compiler and its flags,
-    and the machine, so a changed source or another compiler builds anew."""
+    """Where the library built by ``cxx`` lives: keyed by the source and its headers, the compiler
+    and its flags, and the machine, so a changed source or another compiler builds anew."""
     h = hashlib.sha256(SOURCE.read_bytes())
+    for header in HEADERS:
+        h.update(header.read_bytes())
     h.update("\0".join([cxx, *flags(), platform.machine(), sys.platform]).encode())
     return cache_root() / f"cpu-{h.hexdigest()[:16]}" / "libspinfer_cpu.so"
 

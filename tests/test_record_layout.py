@@ -1,6 +1,7 @@
-"""The records' layout as the CUDA kernels address it (scale_word_of, zero_word_of, zero_shift_of in
-spinfer/csrc/lowbit_mm.h) against what spinfer.quant.lowbit stores: compiled for the host with nvcc,
-so a mismatch shows without a GPU. Skipped where nvcc is missing."""
+"""The records' layout as the kernels address it (scale_word_of, zero_word_of, zero_shift_of in
+spinfer/csrc/record_layout.h) against what spinfer.quant.lowbit stores, compiled for the host: by
+nvcc through lowbit_mm.h, as the CUDA kernels include it (skipped where nvcc is missing), and by the
+system C++ compiler, as the CPU codecs (cpu/codec.cpp) include it. A mismatch shows without a GPU."""
 
 import shutil
 import subprocess
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 import spinfer
+from spinfer import cpu_kernels
 from spinfer.quant.lowbit import tile_scale_zero
 
 NVCC = shutil.which("nvcc")
 PROBE = r"""
-#include "lowbit_mm.h"
+#include HEADER
 #include <cstdio>
 int main() {
   for (int r = 0; r < spinfer::kRecordTileRows; ++r)
@@ -25,15 +27,19 @@ int main() {
 """
 
 
-@pytest.fixture(scope="module")
-def kernel_layout(tmp_path_factory):
-    if NVCC is None:
-        pytest.skip("nvcc not found")
+@pytest.fixture(scope="module", params=["nvcc", "c++"])
+def kernel_layout(request, tmp_path_factory):
+    if request.param == "nvcc":
+        compiler, header, suffix = NVCC, "lowbit_mm.h", "cu"
+    else:
+        compiler, header, suffix = cpu_kernels.compiler(), "record_layout.h", "cpp"
+    if compiler is None:
+        pytest.skip(f"{request.param} not found")
     d = tmp_path_factory.mktemp("layout")
-    (d / "probe.cu").write_text(PROBE)
+    (d / f"probe.{suffix}").write_text(PROBE.replace("HEADER", f'"{header}"'))
     csrc = Path(spinfer.__file__).parent / "csrc"
-    subprocess.run([NVCC, "-std=c++17", f"-I{csrc}", str(d / "probe.cu"), "-o", str(d / "probe")], check=True,
-                   capture_output=True)
+    subprocess.run([compiler, "-std=c++17", f"-I{csrc}", str(d / f"probe.{suffix}"), "-o", str(d / "probe")],
+                   check=True, capture_output=True)
     lines = subprocess.run([str(d / "probe")], check=True, capture_output=True, text=True).stdout.split("\n")
     rows = [tuple(int(v) for v in line.split()) for line in lines[:64]]
     return rows, tuple(int(v) for v in lines[64].split())

@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "../record_layout.h"
+
 #if defined(__SSE2__) || defined(__SSSE3__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -394,24 +396,28 @@ struct LowBit {
     bool nibble_zeros;
 };
 
-// The scale and zero of row `row` and group g in float32, from the records (spinfer/quant/lowbit.py,
-// spinfer/csrc/lowbit_mm.h): per 64-row tile and group, 64 scale halves, half 2 (8 b + i) + h for
-// row 16 b + i + 8 h, then 64 zero halves in the same order or 8 words of 4-bit zeros, word i
-// holding row 16 b + i + 8 h's at bit 16 h + 4 b.
+// The scale and zero of row `row` and group g in float32, from the records (record_layout.h, the
+// kernels' definition: 32 words of scales, each holding the two rows an mma lane owns, then the
+// zeros in the dtype in the same order or 8 words of 4-bit integers).
 template <bool kBf16>
 inline void scale_zero_of(const LowBit& w, int64_t row, int64_t g, float& scale, float& zero) {
-    const int64_t halves = w.nibble_zeros ? 80 : 128, groups = w.k / w.group_size;
-    const uint16_t* const rec = w.scale_zero + (row / 64 * groups + g) * halves;
-    const int r = static_cast<int>(row % 64), b = r / 16, i = r % 8, h = (r % 16) / 8;
-    const int half = 2 * (8 * b + i) + h;
-    scale = kBf16 ? bf16_to_float(rec[half]) : fp16_to_float(rec[half]);
-    if (w.nibble_zeros) {
-        const uint16_t* const word = rec + 64 + 2 * i;
-        const uint32_t bits = static_cast<uint32_t>(word[0]) | static_cast<uint32_t>(word[1]) << 16;
-        zero = static_cast<float>((bits >> (16 * h + 4 * b)) & 15u);
-    } else {
-        zero = kBf16 ? bf16_to_float(rec[64 + half]) : fp16_to_float(rec[64 + half]);
-    }
+    const int words = spinfer::record_words(w.nibble_zeros);
+    const uint16_t* const rec = w.scale_zero + 2 * spinfer::record_word(static_cast<int>(row / spinfer::kRecordTileRows),
+                                                                        static_cast<int>(g),
+                                                                        static_cast<int>(w.k / w.group_size), words);
+    const auto word = [rec](int i) {  // (a copy: the halves' storage read as a word, with no alias or alignment assumed)
+        uint32_t v;
+        std::memcpy(&v, rec + 2 * i, sizeof v);
+        return v;
+    };
+    const int r = static_cast<int>(row % spinfer::kRecordTileRows);
+    const int half = spinfer::zero_shift_of(r, false);  // the row's half of its scale word (and of a dtype zero's)
+    const uint32_t sw = word(spinfer::scale_word_of(r)), zw = word(spinfer::zero_word_of(r, w.nibble_zeros));
+    const auto to_float = [](uint32_t bits) {
+        return kBf16 ? bf16_to_float(static_cast<uint16_t>(bits)) : fp16_to_float(static_cast<uint16_t>(bits));
+    };
+    scale = to_float(sw >> half);
+    zero = w.nibble_zeros ? static_cast<float>((zw >> spinfer::zero_shift_of(r, true)) & 15u) : to_float(zw >> half);
 }
 
 // Columns [c0, c0 + 128) of one row of the dequantized weight (those below k) into dst:
@@ -425,7 +431,7 @@ void dequantize_chunk(const LowBit& w, int64_t row, int64_t c0, uint16_t* dst) {
     constexpr uint32_t kMask = (1u << kBits) - 1;
     constexpr int64_t kStage = kBits == 8 ? 128 : 256, kStageWords = kStage * kBits / 32, kChunkWords = 4 * kBits;
     const int64_t k = w.k, group_size = w.group_size;
-    const int64_t stages = (k + 255) / 256 * 256 / kStage, groups = k / group_size;
+    const int64_t stages = (k + 255) / 256 * 256 / kStage;
     const uint8_t* const index = kStreamIndex[__builtin_ctz(static_cast<unsigned>(kBits))].data();
     const int64_t block = row / 64, r = row % 64;
     const uint32_t* words = w.qweight + ((block * stages + c0 / kStage) * 64 + r) * kStageWords +

@@ -47,6 +47,11 @@ def test_sparse_linear_saved_in_format3_loads_and_gives_its_outputs():
     assert isinstance(layer, SparseLinear) and layer.format == "lowbit"
     assert layer.scale_zero.shape == (2, 2, RECORD_NIBBLE_ZEROS)
     assert rel_err(model(io["x"]), io["y"]) <= 1e-3  # (the CPU kernel's sums may be ordered otherwise now)
+    with torch.device("meta"):  # (no dense weight allocated: load assigns the file's tensors)
+        skeleton = nn.Sequential(nn.Linear(256, 70).half())
+    assigned = spinfer.load(skeleton, os.path.join(DATA, "format3-model.safetensors"))
+    assert assigned[0].scale_zero.shape == (2, 2, RECORD_NIBBLE_ZEROS)
+    assert torch.equal(assigned(io["x"]), model(io["x"]))
     # load_state_dict into a layer built now (format 4 records) takes it too, in either dtype
     state = load_file(os.path.join(DATA, "format3-model.safetensors"))
     state = {k.split(".", 1)[1]: v for k, v in state.items()}
@@ -74,6 +79,12 @@ def test_records_of_another_dtype_load_with_their_zeros():
         assert b.scale_zero.dtype == dst and b.scale_zero.shape[-1] == RECORD_NIBBLE_ZEROS
         assert torch.equal(wa.zeros.float(), wb.zeros.float()) and torch.equal(wb.scales, wa.scales.to(dst))
         assert torch.equal(wb.qweight, wa.qweight)
+        # with assign=True the layer takes the incoming tensors as they are, records and bias alike
+        c = SparseLinear.from_linear(nn.Linear(256, 70).to(dst), quant="w4", policy="lowbit")
+        c.load_state_dict(a.state_dict(), assign=True)
+        assert c.scale_zero.dtype == c.bias.dtype == src and c.weight_dtype == src
+        x = torch.randn(2, 256).to(src)
+        assert torch.equal(c(x), a(x))
 
 
 def test_format3_errors_name_the_problem():

@@ -503,7 +503,8 @@ class SparseLinear(nn.Module):
                 f"{prefix or 'SparseLinear'}: state_dict holds a {fmt.get(theirs[1], '?')} {theirs[2]}x{theirs[3]} weight "
                 f"{tuple(theirs[4:6])}, this layer is {self.format} {ours[2]}x{ours[3]} {tuple(ours[4:6])}")
         if self.format == "lowbit":
-            state_dict = self._incoming_records(state_dict, prefix + "scale_zero", theirs[4])
+            assign = bool(local_metadata.get("assign_to_params_buffers", False))
+            state_dict = self._incoming_records(state_dict, prefix + "scale_zero", theirs[4], assign)
         # TCA-BME arrays change length with the nonzeros: take the incoming sizes. The values keep
         # the layer's dtype, as load_state_dict keeps any module's (the bias, whose shape does not
         # change, is cast by copy_ either way; taking the incoming dtype left the two apart).
@@ -544,16 +545,18 @@ class SparseLinear(nn.Module):
         if not error_msgs:
             self._derive()
 
-    def _incoming_records(self, state_dict, key: str, bits: int):
+    def _incoming_records(self, state_dict, key: str, bits: int, assign: bool):
         """A low-bit state's ``scale_zero`` in the form this layer loads: format 3's tiles of
         (scale, zero) pairs (saved before format 4; qweight is the same) become records, and records
         of 4-bit zeros in another dtype are rebuilt in this layer's, because the cast that loading
-        makes would convert their bits as numbers. Returns the dict, or a copy where that changed."""
+        makes would convert their bits as numbers. (With ``assign`` the layer takes the incoming
+        tensors, dtype and all, as it takes the bias: nothing is cast, so nothing is rebuilt.)
+        Returns the dict, or a copy where that changed."""
         incoming, buf = state_dict.get(key), self._buffers.get("scale_zero")
         if not isinstance(incoming, torch.Tensor) or buf is None:
             return state_dict  # (missing: load_state_dict reports it)
         records = records_from_format3(incoming, self.out_features, bits) if incoming.dim() == 4 else incoming
-        if (records.dim() == 3 and records.dtype != buf.dtype and nibble_records(records)
+        if (not assign and records.dim() == 3 and records.dtype != buf.dtype and nibble_records(records)
                 and records.dtype in (torch.float16, torch.bfloat16) and records.shape[:2] == buf.shape[:2]):
             records = tile_scale_zero(untile_scale_zero(records, self.out_features).to(buf.dtype), bits)
         return state_dict if records is incoming else {**state_dict, key: records}

@@ -19,7 +19,7 @@ from ..ops.lowbit_mm import fused_max_n
 from ..ops.spmm import CPU_DIRECT_MAX_N
 from ..ops.spmm import entry_args as spmm_entry_args
 from ..quant import LowBitWeight
-from ..quant.lowbit import nibble_records, records_from_format3, tile_scale_zero, untile_scale_zero
+from ..quant.lowbit import nibble_records, records_from_format3, records_in_dtype
 from ..timing import least_of_rounds
 from ..versions import changed, version_or_none
 from . import policy as P
@@ -223,8 +223,7 @@ class SparseLinear(nn.Module):
             if self.format == "lowbit" and target != sz.dtype and nibble_records(sz):
                 # The 4-bit zeros are bits inside the records, which a cast would convert as numbers:
                 # the records are rebuilt in the new dtype (scales cast, zeros unchanged), then moved.
-                self._buffers["scale_zero"] = tile_scale_zero(untile_scale_zero(sz, self.out_features).to(target),
-                                                              self._aux[0])
+                self._buffers["scale_zero"] = records_in_dtype(sz, self.out_features, self._aux[0], target)
         self._choices = {}
         out = super()._apply(fn, recurse)
         self._trusted = self._snapshot()
@@ -558,7 +557,7 @@ class SparseLinear(nn.Module):
         records = records_from_format3(incoming, self.out_features, bits) if incoming.dim() == 4 else incoming
         if (not assign and records.dim() == 3 and records.dtype != buf.dtype and nibble_records(records)
                 and records.dtype in (torch.float16, torch.bfloat16) and records.shape[:2] == buf.shape[:2]):
-            records = tile_scale_zero(untile_scale_zero(records, self.out_features).to(buf.dtype), bits)
+            records = records_in_dtype(records, self.out_features, bits, buf.dtype)
         return state_dict if records is incoming else {**state_dict, key: records}
 
     def extra_repr(self) -> str:

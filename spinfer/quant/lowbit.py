@@ -191,6 +191,12 @@ def untile_scale_zero(scale_zero: torch.Tensor, m: int) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(mb * ROW_BLOCK, groups, 2)[:m].contiguous()
 
 
+def records_in_dtype(scale_zero: torch.Tensor, m: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored records of ``m`` rows in ``dtype``: rebuilt (scales cast, zeros kept), since a cast of
+    records holding 4-bit zeros would convert those bits as numbers."""
+    return tile_scale_zero(untile_scale_zero(scale_zero, m).to(dtype), bits)
+
+
 def records_from_format3(scale_zero, m: int, bits: int) -> torch.Tensor:
     """Format 3's ``[Mp/64, G, 64, 2]`` (scale, zero) tiles, as checkpoints saved before format 4
     hold them, -> this format's records (:func:`tile_scale_zero`). ``qweight`` is laid out the

@@ -24,13 +24,17 @@ import spinfer
 from spinfer.format import TCABME
 
 spinfer.build.load_extension()
-PARTS = os.environ.get("SANITIZE_PARTS", "spmm,lowbit,gemv,dense").split(",")
-if unknown := set(PARTS) - {"spmm", "lowbit", "gemv", "dense"}:  # a typo would check nothing and pass
-    raise SystemExit(f"SANITIZE_PARTS: unknown parts {sorted(unknown)}; choose from spmm, lowbit, gemv, dense")
-BITS = [b.strip() for b in os.environ.get("SANITIZE_BITS", "1,2,4,8").split(",")]
-if not set(BITS) <= {"1", "2", "4", "8"}:  # as with the parts: a typo must not pass having checked nothing
-    raise SystemExit(f"SANITIZE_BITS: {os.environ['SANITIZE_BITS']!r}; choose from 1, 2, 4, 8")
-BITS = [int(b) for b in BITS]
+def chosen(name: str, choices: str) -> list:
+    """The comma list in environment variable ``name`` (default: all of ``choices``); an unknown
+    entry is an error, since a typo would check nothing and pass."""
+    picked = [v.strip() for v in os.environ.get(name, choices).split(",")]
+    if unknown := set(picked) - set(choices.split(",")):
+        raise SystemExit(f"{name}: unknown {sorted(unknown)}; choose from {choices}")
+    return picked
+
+
+PARTS = chosen("SANITIZE_PARTS", "spmm,lowbit,gemv,dense")
+BITS = [int(b) for b in chosen("SANITIZE_BITS", "1,2,4,8")]
 for m, k, n, splits, stages, decode, budget, count, stagger in [] if "spmm" not in PARTS else [
         (64, 64, 1, "1", "2", "lean", "9", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1"),
         (4097, 1000, 9, "3", "2", "lean", "8", "1", "1"), (200, 700, 33, "2", "4", "safe", "9", "0", "0"),

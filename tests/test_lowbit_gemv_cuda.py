@@ -283,28 +283,43 @@ def short_rows(k, bits):
     return (k + 255) // 256 * 256 <= 2 * 8 * (128 if bits == 8 else 256)
 
 
+def warps_rule(k, bits, row_blocks, slots4):
+    """lowbit_mm.cu's gemv_warps on the ring: 4 warps a block on short rows, and on longer ones unless
+    the 4-warp blocks' grid fills under 3/4 of a wave of their slots or runs a second wave of under a
+    quarter of them; 8 otherwise."""
+    if short_rows(k, bits):
+        return 4
+    under_filled = 4 * row_blocks < 3 * slots4
+    short_second_wave = slots4 < row_blocks and 4 * row_blocks < 5 * slots4
+    return 8 if under_filled or short_second_wave else 4
+
+
 @pytest.mark.parametrize("bits,group", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128)])
 def test_gemv_ring_rule(bits, group, monkeypatch):
     """The planner's loader (gemv_ring_slots) on the issue's and Llama-8B's layers, two of 8192
     columns (one filling a wave and one under it) and short rows of 2048-4096 columns: the ring by
     ring_rule unless its own resident blocks would leave tail rows to split (then the registers and
     their split tail), reported with its resident blocks; SPINFER_LOWBIT_RING=0 / 2 forces either,
-    the forced ring without a split. The ring's blocks have 4 warps on short rows, 8 elsewhere
-    (gemv_warps), twice as many of them resident at 4 bits; SPINFER_GEMV_WARPS=8 / 4 forces either
-    on the ring and leaves the registers at 8. Plans only."""
+    the forced ring without a split. The ring's blocks have 4 warps on short rows and on longer ones
+    whose grid fills their slots well (warps_rule), 8 elsewhere, twice as many of the 4-warp blocks
+    resident at 4 bits; SPINFER_GEMV_WARPS=8 / 4 forces either on the ring and leaves
+    the registers at 8. Plans only."""
     spinfer.build.load_extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def plan(m, k, ring=None, warps=None):
         return ring_plan(monkeypatch, m, k, bits, group, ring, warps)
 
     for m, k in ((28672, 8192), (8192, 28672), (14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096), (8192, 8192),
-                 (2048, 8192), (11008, 2048), (4096, 4000), (4096, 4200)):
+                 (2048, 8192), (11008, 2048), (4096, 4000), (4096, 4200), (16384, 8192), (57344, 8192), (14336, 5120)):
         registers, ring, auto = plan(m, k, "0"), plan(m, k, "2"), plan(m, k)
         assert registers["gemv_ring"] == 0 and ring["gemv_ring"] == 2 and ring["tail_splits"] == 0, (m, k, ring)
-        assert registers["gemv_warps"] == 8 and ring["gemv_warps"] == (4 if short_rows(k, bits) else 8), (m, k, ring)
         assert plan(m, k, "0", "4")["gemv_warps"] == 8, (m, k)  # the registers have no 4-warp blocks
         ring8, ring4 = plan(m, k, "2", "8"), plan(m, k, "2", "4")
         assert (ring8["gemv_warps"], ring4["gemv_warps"]) == (8, 4), (m, k)
+        warps = warps_rule(k, bits, ring["row_blocks"], sms * ring4["resident_blocks"])
+        assert registers["gemv_warps"] == 8 and ring["gemv_warps"] == warps, (m, k, ring, ring4, ring8)
+        assert ring["resident_blocks"] == (ring4 if warps == 4 else ring8)["resident_blocks"], (m, k)
         if bits == 4:  # blocks of 4 warps take half the registers and shared memory
             assert ring4["resident_blocks"] == 2 * ring8["resident_blocks"], (m, k, ring4, ring8)
         assert ring["resident_blocks"] >= 1 and registers["resident_blocks"] >= 1
@@ -345,6 +360,26 @@ def test_gemv_ring_resident_blocks_with_groups_of_64(bits, monkeypatch):
     auto = ring_plan(monkeypatch, 8192, 28672, bits, 64)
     if sms * ring8["resident_blocks"] >= 512:
         assert auto["gemv_ring"] == 2 and auto["tail_splits"] == 0 and auto["grid_blocks"] == 512, auto
+
+
+def test_gemv_warps_on_long_rows_of_an_h100(monkeypatch):
+    """The warps a block that the rule gives the layers the seventy-first session measured on an H100
+    (132 SMs of sm_90, as an H200; docs/quant.md): 4-warp blocks where their grid fills the slots,
+    8-warp ones where it would fill under 3/4 of a wave (8192x28672, 4096x14336) or run a short
+    second wave (2-bit g64 16384x8192: 1024 blocks, 1.11 waves of 924 slots). Other GPUs have other
+    slot counts."""
+    spinfer.build.load_extension()
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132 or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the slot counts of 132 SMs of sm_90 (H100 SXM, H200)")
+    want = {(2, 64): {(28672, 8192): 4, (57344, 8192): 4, (27648, 5120): 4, (14336, 8192): 4, (14336, 5120): 4,
+                      (16384, 8192): 8, (8192, 28672): 8, (4096, 14336): 8},
+            (2, 128): {(28672, 8192): 4, (16384, 8192): 4, (14336, 5120): 4, (8192, 28672): 8},
+            (4, 128): {(28672, 8192): 4, (27648, 5120): 4, (14336, 5120): 4, (57344, 8192): 4, (8192, 28672): 8,
+                       (4096, 14336): 8}}
+    for (bits, group), layers in want.items():
+        for (m, k), warps in layers.items():
+            plan = ring_plan(monkeypatch, m, k, bits, group)
+            assert plan["gemv_ring"] == 2 and plan["gemv_warps"] == warps, (bits, group, m, k, plan)
 
 
 def test_gemv_is_deterministic_and_captures_in_a_cuda_graph(monkeypatch):

@@ -109,12 +109,33 @@ int gemv_ring_slots(int bits, bool* forced) {
   return bits == 8 ? 0 : kGemvRingSlots;
 }
 
-// The GEMV's warps a block on the ring: kGemvShortWarps on short rows, kGemvWarps elsewhere (and
-// always on the registers). SPINFER_GEMV_WARPS=4|8 forces either on the ring.
-int gemv_warps(int k, int bits, int ring) {
+// The GEMV's warps a block on the ring (always kGemvWarps on the registers): kGemvShortWarps on short
+// rows, and on longer ones unless its grid of row blocks would fill under 3/4 of a wave of its
+// resident blocks (slots4: SMs x resident 4-warp blocks) or run a second wave of under a quarter
+// of them. The row blocks are the same either way. A 4-warp block gives each warp twice the stages
+// after one first-load latency, and more of them fit an SM (twice as many at 4 bits, 9 against 4
+// at 1 and 2 bits with groups of 128, 7 against 4 at 2-bit g64: kGemvMinBlocksFor and the
+// registers). They lose where the grid leaves SMs with few warps: a layer under a wave (8192x28672,
+// 4096x14336), or the few blocks of a short second wave that then stream alone, 4 warps each, with
+// twice the stages (2-bit g64 16384x8192: 1024 blocks, 1.11 waves of 924 slots, 8-warp blocks 1.94
+// waves of 528). Fitted to one process, least of 3 shuffled rounds, N = 1, 8 layers x 5 widths
+// (docs/quant.md, seventy-first session; us, 8 / 4 warps, the rule's choice marked):
+//   2-bit g64: 28672x8192 30.2 / *29.2, 57344x8192 55.1 / *52.6, 27648x5120 21.8 / *20.4, 14336x5120
+//              13.6 / *12.6; *19.4 / 21.2 on 16384x8192, *29.1 / 30.3 on 8192x28672, *10.9 / 12.5
+//              on 4096x14336;
+//   2-bit g128: 57344x8192 55.9 / *53.6, 27648x5120 21.7 / *20.6, 14336x5120 13.4 / *12.8 (0.75 waves);
+//   4-bit g128: 27648x5120 30.0 / *28.4, 14336x5120 18.4 / *17.0, 57344x8192 82.0 / *84.0 (the rule's
+//              one loss, 2.4%: 3.39 waves either way of its 1056 slots);
+//   the other cells level within 1% (14336x8192 at 1 bit: 17.5 / *17.7 and 19.4 / *19.6).
+// Before the seventy-first session only short rows took 4 warps. SPINFER_GEMV_WARPS=4|8 forces
+// either on the ring.
+int gemv_warps(int k, int bits, int ring, int64_t row_blocks, int64_t slots4) {
   if (ring == 0) return kGemvWarps;
   if (const char* env = std::getenv("SPINFER_GEMV_WARPS")) return std::atoi(env) == kGemvShortWarps ? kGemvShortWarps : kGemvWarps;
-  return gemv_short_rows(k, bits) ? kGemvShortWarps : kGemvWarps;
+  if (gemv_short_rows(k, bits)) return kGemvShortWarps;
+  const bool under_filled = 4 * row_blocks < 3 * slots4;
+  const bool short_second_wave = row_blocks > slots4 && 4 * row_blocks < 5 * slots4;
+  return under_filled || short_second_wave ? kGemvWarps : kGemvShortWarps;
 }
 
 // Whether one token runs on the GEMV kernel (lowbit_gemv.cuh) rather than the fused one: wherever
@@ -334,8 +355,9 @@ LowbitPlan lowbit_mm_plan(int m, int n, int kp, int bits, int group_size, int de
     bool forced = false;
     p.gemv_warps = kGemvWarps;
     if (const int ring = gemv_ring_slots(bits, &forced); ring > 0) {
-      const int warps = gemv_warps(kp, bits, ring);
-      const int ring_resident = gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring, warps);
+      auto resident_for = [&](int w) { return gemv_blocks_per_sm_for(device, bf16, bits, p.ng, ring, w); };
+      const int warps = gemv_warps(kp, bits, ring, p.row_blocks, int64_t{sms} * resident_for(kGemvShortWarps));
+      const int ring_resident = resident_for(warps);
       if (forced || tail_for(sms * ring_resident).splits <= 1) {
         p.gemv_ring = ring, p.gemv_warps = warps, resident = ring_resident, t = TailSplit{0, 0, 0};
       }

@@ -251,8 +251,9 @@ def lowbit_plan(weight: LowBitWeight, n: int, *, dtype: torch.dtype = torch.floa
     and 4 bits wherever its resident blocks leave no tail rows to split; never at 8 bits or with
     split tail rows; ``SPINFER_LOWBIT_RING=0|2`` forces it), and the GEMV's warps a
     block (``gemv_warps``: 4 on the ring on short rows, where each warp then takes twice the stages
-    and twice the blocks fit an SM; 8 elsewhere; ``SPINFER_GEMV_WARPS=8|4`` forces either on the
-    ring; 0 for the fused kernel).
+    and more blocks fit an SM, and on longer rows unless the grid of 4-warp blocks would fill under
+    3/4 of a wave of the device's slots for them or run a second wave of under a quarter; 8
+    elsewhere; ``SPINFER_GEMV_WARPS=8|4`` forces either on the ring; 0 for the fused kernel).
     ``splits`` as for :func:`lowbit_mm` (0: the planner's rule); the environment overrides
     (``SPINFER_LOWBIT_SPLITS``, ``SPINFER_LOWBIT_TAIL``, ...) apply as they do to a launch."""
     device = torch.device(device)

@@ -5,7 +5,8 @@
 // Read top to bottom:
 //  * A block of W warps owns 16 output rows (a quarter of one of the format's 64-row tiles) and
 //    all of K: W = 8, or 4 on the ring on short rows (K <= 4096, where 8 warps would take at most
-//    2 stages each; lowbit_mm.cu, gemv_warps). Warp w takes stages w, w + W, w + 2 W, ... of those
+//    2 stages each) and on longer rows whose row blocks fill the SMs' slots for 4-warp blocks
+//    (lowbit_mm.cu, gemv_warps). Warp w takes stages w, w + W, w + 2 W, ... of those
 //    rows; at the end the block sums the W warps' accumulators through shared memory in warp order
 //    (deterministic), adds bias and casts. A layer has ceil(M / 16) blocks, 4x the fused kernel's,
 //    and the block scheduler hands them out as SMs free up. Where the row blocks are long (16 rows
@@ -57,8 +58,8 @@ namespace spinfer {
 namespace lowbit {
 
 constexpr int kGemvWarps = 8;
-// Warps a block of the ring on short rows, where 8 would take at most 2 stages each (lowbit_mm.cu,
-// gemv_short_rows and why).
+// Warps a block of the ring on short rows, where 8 would take at most 2 stages each, and on longer
+// rows that fill the SMs' slots for them (lowbit_mm.cu, gemv_short_rows, gemv_warps and why).
 constexpr int kGemvShortWarps = 4;
 constexpr int kGemvRows = 16;
 // 80 registers: the stage in flight and the one computed. With 4 resident blocks (64 registers)

@@ -176,7 +176,7 @@ def tile_scale_zero(scale_zero: torch.Tensor, bits: int) -> torch.Tensor:
 
 def untile_scale_zero(scale_zero: torch.Tensor, m: int) -> torch.Tensor:
     """The stored ``[Mp/64, G, R]`` records -> ``[M, G, 2]`` (scale, zero) pairs: a copy."""
-    mb, groups, halves = scale_zero.shape
+    halves = scale_zero.shape[-1]
     order = torch.argsort(_record_rows()).to(scale_zero.device)  # the half of each row
     scales = scale_zero[..., :ROW_BLOCK][..., order]
     if halves == RECORD_DTYPE_ZEROS:
@@ -187,8 +187,14 @@ def untile_scale_zero(scale_zero: torch.Tensor, m: int) -> torch.Tensor:
         word = r % 8
         shift = 16 * ((r % 16) // 8) + 4 * (r // 16)
         zeros = ((words[..., word] >> shift) & NIBBLE_MAX).to(scale_zero.dtype)
-    pairs = torch.stack((scales, zeros), dim=-1)  # [mb, G, 64, 2]
-    return pairs.transpose(1, 2).reshape(mb * ROW_BLOCK, groups, 2)[:m].contiguous()
+    return _rows_of_tiles(torch.stack((scales, zeros), dim=-1), m)
+
+
+def _rows_of_tiles(tiles: torch.Tensor, m: int) -> torch.Tensor:
+    """``[Mp/64, G, 64, 2]`` (scale, zero) pairs in 64-row tiles (format 3's stored form, and the
+    records' once unpacked) -> ``[M, G, 2]``: a copy."""
+    mb, groups = tiles.shape[:2]
+    return tiles.transpose(1, 2).reshape(mb * ROW_BLOCK, groups, 2)[:m].contiguous()
 
 
 def records_in_dtype(scale_zero: torch.Tensor, m: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -204,11 +210,9 @@ def records_from_format3(scale_zero, m: int, bits: int) -> torch.Tensor:
     if not isinstance(scale_zero, torch.Tensor) or scale_zero.dim() != 4 or tuple(scale_zero.shape[2:]) != (ROW_BLOCK, 2):
         shape = tuple(scale_zero.shape) if isinstance(scale_zero, torch.Tensor) else type(scale_zero).__name__
         raise ValueError(f"a format 3 scale_zero is [Mp/64, K/group_size, {ROW_BLOCK}, 2], got {shape}")
-    mb, groups = scale_zero.shape[:2]
-    if mb != -(-m // ROW_BLOCK):
-        raise ValueError(f"a format 3 scale_zero of {m} rows has {-(-m // ROW_BLOCK)} tiles, got {mb}")
-    pairs = scale_zero.transpose(1, 2).reshape(mb * ROW_BLOCK, groups, 2)[:m]
-    return tile_scale_zero(pairs, bits)
+    if scale_zero.shape[0] != -(-m // ROW_BLOCK):
+        raise ValueError(f"a format 3 scale_zero of {m} rows has {-(-m // ROW_BLOCK)} tiles, got {scale_zero.shape[0]}")
+    return tile_scale_zero(_rows_of_tiles(scale_zero, m), bits)
 
 
 def nibble_records(scale_zero: torch.Tensor) -> bool:

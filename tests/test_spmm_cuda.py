@@ -183,6 +183,10 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
     enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
     monkeypatch.setenv("SPINFER_WGMMA", wgmma)
     assert all(spmm_plan(enc, n)["wgmma"] == 0 for n in (1, 8, 16))  # BN <= 16: mma.sync
+    monkeypatch.delenv("SPINFER_WGMMA")
+    for n in (32, 64):  # by default groups of a GroupTile's 4 TCTiles, wherever the variant runs
+        plan = spmm_plan(enc, n)
+        assert plan["wgmma"] == (4 if plan["bulk"] and plan["lean"] and plan["bn"] >= 32 else 0), plan
 
 
 @pytest.mark.parametrize("x_l1", ["0", "1"])

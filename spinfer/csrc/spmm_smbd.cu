@@ -227,10 +227,13 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   p.row_table = row_table && budgets && p.lean && !p.count_rows && p.min_blocks == 7 &&
                 env_int("SPINFER_ROW_TABLE", 1) != 0;
   // The warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg) at BN = 32 and 64 on sm_90 with the
-  // lean decode, where the driver makes tensor maps: groups of 1 TCTile, or (SPINFER_WGMMA=0|1|2|3|4,
-  // A/B runs and tests) 2 or 4 (a GroupTile), 1 with one group in flight (3), or mma.sync.
+  // lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
+  // (SPINFER_WGMMA=0|1|2|3|4, A/B runs and tests) 1 or 2, 1 with one group in flight (3), or
+  // mma.sync (0). H100, same process, least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64
+  // (seventy-sixth session, docs/kernels.md), geomean x cuBLAS at 50% / 70% sparsity: mma.sync
+  // 0.963 / 0.996, groups of 1 1.068 / 1.153, the ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
   const bool wgmma_ok = p.bulk && p.lean && major == 9 && p.bn >= 32 && tensor_map_encoder() != nullptr;
-  const int group = env_int("SPINFER_WGMMA", 1);
+  const int group = env_int("SPINFER_WGMMA", 4);
   p.wgmma = !wgmma_ok || group <= 0 ? 0 : group >= 4 ? 4 : group;  // 3: kWgRing
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);

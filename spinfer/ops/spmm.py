@@ -216,7 +216,8 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     (at ``bn`` = 8 where it does not count rows), and ``row_table``: whether the decoding warps read
     the rows above their own from the weight's row table (``TCABME.row_offset``) instead, and
     ``wgmma``: the TCTiles of one warp-group MMA group in the sm_90 kernel at ``bn`` = 32 and 64
-    (1, 2 or 4), or 0 where it runs ``mma.sync``.
+    (4 by default; 1, 2, or 3 for groups of 1 with one left in flight, through ``SPINFER_WGMMA``), or 0
+    where it runs ``mma.sync``.
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)

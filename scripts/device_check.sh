@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
-#   scripts/device_check.sh [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
+#   scripts/device_check.sh [tests-wgmma] [ab-spmm] [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
 #                           [bench-to-dense] [e2e] [host] [ncu-spmm] [ncu-lowbit]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
 #   The sanitize step runs three tools on scripts/sanitize_case.py with both loaders: more than one
@@ -23,6 +23,23 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 if true; then  # every step needs the extension
     python3 -m spinfer.build -v >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
     tail -1 "$OUT/build.log"
+fi
+if [[ " $steps " == *" tests-wgmma "* ]]; then
+    # the warp-group MMA variant alone, before anything is timed: a wrong descriptor or layout
+    # shows here (float64 reference and mma.sync, fp16 and bf16, BN = 32 and 64)
+    python3 -m pytest -x -q -m cuda -p no:cacheprovider tests/test_spmm_cuda.py -k warp_group \
+        >"$OUT/tests-wgmma.log" 2>&1 && tail -1 "$OUT/tests-wgmma.log" || { tail -40 "$OUT/tests-wgmma.log"; status=1; }
+fi
+if [[ " $steps " == *" ab-spmm "* ]]; then
+    # planner overrides against each other in one process (benchmarks/ab_spmm.py), one process a
+    # sparsity: AB_CONFIGS, AB_SHAPES, AB_NS, AB_SPARSITIES (defaults: the wgmma group sizes and
+    # mma.sync at the N where BN is 32 and 64)
+    for s in ${AB_SPARSITIES:-0.5 0.7}; do
+        python3 benchmarks/ab_spmm.py --configs "${AB_CONFIGS:-WGMMA=0,WGMMA=1,WGMMA=3,WGMMA=4}" --rounds 2 --sparsity "$s" \
+            --shapes "${AB_SHAPES:-28672x8192,8192x28672,14336x4096,4096x14336}" --ns "${AB_NS:-24,32,64}" \
+            >"$OUT/ab-spmm-$s.log" 2>&1 || status=1
+        tail -n 16 "$OUT/ab-spmm-$s.log"
+    done
 fi
 if [[ " $steps " == *" tests "* ]]; then
     python3 -m pytest -q -m cuda -p no:cacheprovider tests >"$OUT/tests.log" 2>&1 || status=1

@@ -2,7 +2,8 @@
 split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
 variants, the three register budgets, the rows above counted by the producer warp, by each warp or read
 from the weight's row table (also a corrupt one), the next stage requested after the
-first has landed or with it, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
+first has landed or with it, wgmma or mma.sync at BN = 32 and 64 (token tiles under BN: x rows no copy
+writes), a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
@@ -35,18 +36,23 @@ def chosen(name: str, choices: str) -> list:
 
 PARTS = chosen("SANITIZE_PARTS", "spmm,lowbit,gemv,dense")
 BITS = [int(b) for b in chosen("SANITIZE_BITS", "1,2,4,8")]
-for m, k, n, splits, stages, decode, budget, count, stagger in [] if "spmm" not in PARTS else [
-        (64, 64, 1, "1", "2", "lean", "9", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1"),
-        (4097, 1000, 9, "3", "2", "lean", "8", "1", "1"), (200, 700, 33, "2", "4", "safe", "9", "0", "0"),
-        (300, 1450, 5, "3", "3", "lean", "7", "1", "1"), (300, 1450, 24, "2", "2", "lean", "9", "0", "1"),
-        (4097, 1000, 16, "2", "2", "lean", "8", "0", "0"), (4097, 1000, 1, "2", "2", "lean", "7", "0", "1"),
-        (4097, 1000, 8, "2", "4", "lean", "7", "1", "1"), (4097, 1000, 1, "2", "2", "lean", "7", "0", "0")]:
+for m, k, n, splits, stages, decode, budget, count, stagger, wgmma in [] if "spmm" not in PARTS else [
+        (64, 64, 1, "1", "2", "lean", "9", "1", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1", "1"),
+        (4097, 1000, 9, "3", "2", "lean", "8", "1", "1", "1"), (200, 700, 33, "2", "4", "safe", "9", "0", "0", "1"),
+        (300, 1450, 5, "3", "3", "lean", "7", "1", "1", "1"), (300, 1450, 24, "2", "2", "lean", "9", "0", "1", "1"),
+        (4097, 1000, 16, "2", "2", "lean", "8", "0", "0", "1"), (4097, 1000, 1, "2", "2", "lean", "7", "0", "1", "1"),
+        (4097, 1000, 8, "2", "4", "lean", "7", "1", "1", "1"), (4097, 1000, 1, "2", "2", "lean", "7", "0", "0", "1"),
+        (4097, 1000, 40, "1", "3", "lean", "7", "0", "0", "1"), (300, 1450, 20, "3", "2", "lean", "7", "0", "0", "2"),
+        (4097, 1000, 64, "2", "2", "lean", "7", "0", "0", "2"), (200, 700, 20, "1", "2", "lean", "7", "0", "0", "0"),
+        (300, 1450, 48, "2", "3", "lean", "7", "0", "0", "4"), (4097, 1000, 30, "1", "2", "lean", "7", "0", "0", "4"),
+        (300, 1450, 64, "2", "3", "lean", "7", "0", "0", "3"), (4097, 1000, 24, "1", "2", "lean", "7", "0", "0", "3")]:
     os.environ["SPINFER_SPLITS"] = splits
     os.environ["SPINFER_STAGES"] = stages
     os.environ["SPINFER_DECODE"] = decode
     os.environ["SPINFER_MIN_BLOCKS"] = budget  # register budget of the sm_90 kernel at BN <= 16
     os.environ["SPINFER_COUNT_ROWS"] = count  # the producer warp counts the rows above (sm_90, BN <= 16)
     os.environ["SPINFER_STAGGER"] = stagger  # the next stage after the first lands (sm_90, BN = 8)
+    os.environ["SPINFER_WGMMA"] = wgmma  # wgmma groups of 1, 2 or 4 TCTiles, or mma.sync (sm_90, BN >= 32, lean)
     for dt in (torch.float16, torch.bfloat16):
         w = torch.randn(m, k, device="cuda").to(dt)
         w[torch.rand(m, k, device="cuda") < 0.5] = 0

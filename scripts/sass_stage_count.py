@@ -19,7 +19,8 @@ import subprocess
 import sys
 from functools import lru_cache
 
-KERNEL = re.compile(r"_ZN7spinfer4smbd16spmm_smbd_kernelILb(\d)ELi(\d+)ELb(\d)ELb(\d)ELi(\d+)ELb(\d)ELb(\d)E")
+KERNEL = re.compile(r"_ZN7spinfer4smbd16spmm_smbd_kernelILb(\d)ELi(\d+)ELb(\d)ELb(\d)ELi(\d+)ELb(\d)ELb(\d)EL[bi](\d)E")
+MMA = re.compile(r"\bH(?:G)?MMA\b")  # mma.sync (HMMA) or wgmma (HGMMA)
 BRANCH = re.compile(r"BRA (?:\S+, )?(0x[0-9a-f]+)")
 
 
@@ -33,7 +34,7 @@ def stage_loop(ins):
             continue
         j = index[int(m.group(1), 16)]
         body = " ".join(x for _, x in ins[j:i + 1])
-        if "BAR.SYNC" in body and "HMMA" in body and (loop is None or i - j < loop[1] - loop[0]):
+        if "BAR.SYNC" in body and MMA.search(body) and (loop is None or i - j < loop[1] - loop[0]):
             loop = (j, i)
     return loop, index
 
@@ -65,12 +66,12 @@ def count_stage(ins):
         t = ins[i][1]
         waited = waited or "TRYWAIT" in t or "DEPBAR" in t
         if i == tail:
-            return (int(waited), int("HMMA" in t), -1)
+            return (int(waited), int(bool(MMA.search(t))), -1)
         options = [o for o in (best(j, waited) for j in successors(i)) if o is not None]
         if not options:
             return None
         w, h, n = max(options)
-        return (w, h + ("HMMA" in t), n - 1)
+        return (w, h + bool(MMA.search(t)), n - 1)
 
     sys.setrecursionlimit(max(10000, 4 * len(ins)))
     r = best(head, False)
@@ -91,12 +92,12 @@ def main():
         if not m:
             continue
         tag = (f"{'bf16' if m.group(1) == '1' else 'fp16'} BN={m.group(2)} bulk={m.group(3)} lean={m.group(4)} "
-               f"minb={m.group(5)} count={m.group(6)} table={m.group(7)}")
+               f"minb={m.group(5)} count={m.group(6)} table={m.group(7)} wgmma={m.group(8)}")
         if want not in tag:
             continue
         ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", func)]
         r = count_stage(ins)
-        print(f"{tag}: " + ("no stage loop found" if r is None else f"{r[0]} instructions a stage, {r[1]} HMMA"))
+        print(f"{tag}: " + ("no stage loop found" if r is None else f"{r[0]} instructions a stage, {r[1]} HMMA or HGMMA"))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,54 @@ def check_forced_flag(monkeypatch, env, value, w, ns, plan_flag, reported):
         monkeypatch.delenv("SPINFER_SPLITS", raising=False)
 
 
+@pytest.mark.parametrize("wgmma", ["0", "1", "2", "3", "4"])
+def test_warp_group_mma_forced(monkeypatch, wgmma):
+    """The sm_90 kernel at BN = 32 and 64 on wgmma, one, two or four TCTiles a group, one a group
+    with one group left in flight (3), or on mma.sync (SPINFER_WGMMA): the float64 check holds and the results agree with mma.sync's to fp32
+    rounding (the two accumulate in different orders), for tiles of fewer tokens than BN (whose
+    x slice has rows no copy writes), partial last tiles, split and unsplit, 2 and 3 stages, a stage
+    of a single GroupTile (1450 columns: 23 GroupTiles), a dense GroupTile and a dense row among
+    sparse ones, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports it where it runs
+    (the lean sm_90 kernel at BN >= 32) and nowhere else."""
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
+        w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
+        w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
+        weights = [w, random_sparse((300, 1000), 0.0, dtype, device="cuda"),
+                   random_sparse((300, 1000), 0.999, dtype, device="cuda")]
+        for wi, w in enumerate(weights):
+            enc = TCABME.from_dense(w)
+            b = torch.randn(w.shape[0], device="cuda").to(dtype)
+            for stages, splits in ((None, None), (None, "3"), ("3", None), ("3", "5")):
+                for env, value in (("SPINFER_STAGES", stages), ("SPINFER_SPLITS", splits)):
+                    if value:
+                        monkeypatch.setenv(env, value)
+                    else:
+                        monkeypatch.delenv(env, raising=False)
+                for n in (17, 24, 32, 33, 40, 64, 100) if wi == 0 else (20, 64):
+                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+                    monkeypatch.setenv("SPINFER_WGMMA", "0")
+                    other = spmm_poisoned(x, enc, b)
+                    monkeypatch.setenv("SPINFER_WGMMA", wgmma)
+                    y = spmm_poisoned(x, enc, b)
+                    ref = x.double() @ w.double().t() + b.double()
+                    assert rel_err(y, ref) <= TOL[dtype], (n, stages, splits)
+                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
+                    assert rel_err(y, other.double()) <= agree, (n, stages, splits)
+                    plan = spmm_plan(enc, n, dtype=dtype)
+                    runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
+                    assert plan["wgmma"] == (int(wgmma) if runs else 0), plan
+    monkeypatch.delenv("SPINFER_STAGES", raising=False)
+    monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+    enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
+    monkeypatch.setenv("SPINFER_WGMMA", wgmma)
+    assert all(spmm_plan(enc, n)["wgmma"] == 0 for n in (1, 8, 16))  # BN <= 16: mma.sync
+    monkeypatch.delenv("SPINFER_WGMMA")
+    for n in (32, 64):  # by default groups of a GroupTile's 4 TCTiles, wherever the variant runs
+        plan = spmm_plan(enc, n)
+        assert plan["wgmma"] == (4 if plan["bulk"] and plan["lean"] and plan["bn"] >= 32 else 0), plan
+
+
 @pytest.mark.parametrize("x_l1", ["0", "1"])
 def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
     """The sm_90 loader's activation copies through L1 or not (SPINFER_SPMM_XL1) give the same

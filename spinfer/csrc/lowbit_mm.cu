@@ -7,9 +7,8 @@
 #include <tuple>
 #include <type_traits>
 
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
-
 #include "lowbit_gemv.cuh"
+#include "tensor_map.h"
 
 namespace spinfer {
 namespace lowbit {
@@ -275,35 +274,11 @@ bool use_row_pairs(int m, int n, int bits, int bn, int ng, int n_tiles, int tota
 
 }  // namespace
 
-// cuTensorMapEncodeTiled from the driver, found once through the runtime (the extension does not
-// link libcuda); nullptr where the driver lacks it.
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      f = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 cudaError_t encode_x_map(CUtensorMap* map, const void* x, int n, int kp, int bn, bool bf16) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  // Innermost first: kp columns, n tokens. A box is one chunk's columns and the 16 that pad its
-  // rows in shared memory (Layout::kXStride).
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kp), static_cast<cuuint64_t>(n)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kp) * 2};  // bytes between tokens
-  const cuuint32_t box[2] = {kChunk + 16, static_cast<cuuint32_t>(std::min(bn, n))};
-  const cuuint32_t steps[2] = {1, 1};
-  const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                            const_cast<void*>(x), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  // kp columns, n tokens. A box is one chunk's columns and the 16 that pad its rows in shared
+  // memory (Layout::kXStride).
+  return encode_matrix_map(map, x, bf16, kp, n, static_cast<uint64_t>(kp) * 2, kChunk + 16,
+                           static_cast<uint32_t>(std::min(bn, n)));
 }
 
 }  // namespace lowbit

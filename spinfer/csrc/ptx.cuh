@@ -359,5 +359,99 @@ __device__ __forceinline__ void mma_m16n8k16<true>(float (&d)[4], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+
+// Warp-group MMA (sm_90a): D[64 x N] += A[64 x 16] * B[16 x N] for the four warps of a warp group,
+// A from registers (each warp its 16 rows, in mma.m16n8k16's A-fragment layout), B from shared
+// memory through a matrix descriptor, fp32 accumulators in mma.m16n8k16's C layout per 8 columns
+// (d[j] holds columns 8 j .. 8 j + 7 of the warp's rows). Asynchronous: wgmma_fence() orders the
+// registers' earlier writes before the next wgmma reads them, wgmma_commit() closes a group and
+// wgmma_wait<G>() waits until at most G groups are in flight; a wgmma's A registers and
+// accumulators must not be touched until its group has been waited for. Compiled only where
+// the sm_90a features are (the kernels that call them trap elsewhere, and the host launches them
+// on sm_90 only).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SPINFER_WGMMA 1
+#endif
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef SPINFER_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef SPINFER_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int G>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef SPINFER_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(G) : "memory");
+#endif
+}
+// Keeps the compiler from moving reads or writes of an accumulator across this point (the wgmma
+// writes it behind the compiler's back until its group is waited for).
+__device__ __forceinline__ void wgmma_hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// Descriptor of a K-major B operand without swizzle: 8 x 16-byte core matrices (8 columns of N,
+// 8 elements of K each), `lbo` bytes to the next 8 elements of K, `sbo` bytes to the next 8 of N;
+// as its low and high words. The low word holds the start address / 16 in bits 0-13, so a start
+// `bytes` further on is the low word + bytes / 16 (shared addresses are below 256 KB): one 32-bit
+// add where a 64-bit one took two instructions and two moves to uniform registers.
+__device__ __forceinline__ uint32_t wgmma_desc_lo(uint32_t smem_address, uint32_t lbo) {
+  return ((smem_address & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
+}
+__device__ __forceinline__ constexpr uint32_t wgmma_desc_hi(uint32_t sbo) { return sbo >> 4; }
+// The high word for the 128-byte swizzle (layout type 1 in bits 62-63): rows of 128 bytes of K,
+// 16-byte units XORed with the row's index mod 8, as a tensor copy with CU_TENSOR_MAP_SWIZZLE_128B
+// writes them to a 1024-byte aligned address; `sbo` to the next 8 rows (1024), the leading offset
+// unused (a k16 tile lies inside a row), and a k16 tile `t` of the row starts 32 t bytes on.
+__device__ __forceinline__ constexpr uint32_t wgmma_desc_hi_sw128(uint32_t sbo) { return (sbo >> 4) | (1u << 30); }
+
+// One thread's accumulators as asm operands %0 ... (16 at N = 32, 32 at N = 64).
+#define SPINFER_WGMMA_ACC32 \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+  "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define SPINFER_WGMMA_ACC64 \
+  SPINFER_WGMMA_ACC32, \
+  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+  "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+// wgmma.mma_async.m64nNk16 on TYPE (f16 or bf16): the accumulators, then A's four registers, the
+// descriptor's two words and scale-d (1: accumulate), as the operands numbered in DREGS, AREGS, LO,
+// HI and ONE.
+#define SPINFER_WGMMA_ASM(N, TYPE, DREGS, AREGS, LO, HI, ONE)                                           \
+  "{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, " ONE ", 0;\nmov.b64 desc, {" LO ", " HI "};\n" \
+  "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE " {" DREGS "}, {" AREGS "}, desc, p, 1, 1, "  \
+  "0;\n}\n"
+#define SPINFER_WGMMA_ASM32(TYPE)                                                                     \
+  SPINFER_WGMMA_ASM("32", TYPE, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15", "%16,%17,%18,%19", \
+                    "%20", "%21", "%22")
+#define SPINFER_WGMMA_ASM64(TYPE)                        \
+  SPINFER_WGMMA_ASM("64", TYPE,                          \
+                    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"  \
+                    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31",  \
+                    "%32,%33,%34,%35", "%36", "%37", "%38")
+#define SPINFER_WGMMA_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi), "r"(1)
+
+template <bool kBF16, int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t desc_lo,
+                                             uint32_t desc_hi) {
+  static_assert(N == 32 || N == 64, "the SMBD kernel's tiles of 32 and 64 tokens");
+#ifdef SPINFER_WGMMA
+  if constexpr (N == 32 && !kBF16)
+    asm volatile(SPINFER_WGMMA_ASM32("f16") : SPINFER_WGMMA_ACC32 : SPINFER_WGMMA_IN);
+  else if constexpr (N == 32)
+    asm volatile(SPINFER_WGMMA_ASM32("bf16") : SPINFER_WGMMA_ACC32 : SPINFER_WGMMA_IN);
+  else if constexpr (!kBF16)
+    asm volatile(SPINFER_WGMMA_ASM64("f16") : SPINFER_WGMMA_ACC64 : SPINFER_WGMMA_IN);
+  else
+    asm volatile(SPINFER_WGMMA_ASM64("bf16") : SPINFER_WGMMA_ACC64 : SPINFER_WGMMA_IN);
+#endif
+}
+
 }  // namespace ptx
 }  // namespace spinfer

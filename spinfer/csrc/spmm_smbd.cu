@@ -8,11 +8,17 @@
 #include <mutex>
 
 #include "spmm_smbd.cuh"
+#include "tensor_map.h"
 
 namespace spinfer {
 namespace smbd {
 SPINFER_SMBD_FOR_TILES(SPINFER_SMBD_EXTERN_ONE, false)
 SPINFER_SMBD_FOR_TILES(SPINFER_SMBD_EXTERN_ONE, true)
+
+cudaError_t encode_x_map(CUtensorMap* map, const void* x, int n, int kp, int bn, bool bf16) {
+  return encode_matrix_map(map, x, bf16, kp, n, static_cast<uint64_t>(kp) * 2, kGt,
+                           static_cast<uint32_t>(std::min(bn, n)), CU_TENSOR_MAP_SWIZZLE_128B);
+}
 
 namespace {
 
@@ -28,7 +34,7 @@ auto by_tile(int bn, A... a) {
 }
 template <int BN>
 struct SmemF {
-  static int run(int kps, int cap, int stages, int n) { return smem_bytes<BN>(kps, cap, stages, n); }
+  static int run(int kps, int cap, int stages, int n, bool wgmma) { return smem_bytes<BN>(kps, cap, stages, n, wgmma); }
 };
 template <int BN>
 struct LaunchF {
@@ -46,7 +52,7 @@ struct ResidentF {
 // Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
 // dtype, variant (loader, decode, row count), shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
-  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table;
+  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * p.wgmma;
   const std::array<int, 6> key{device, bf16, p.bn, variant, p.min_blocks, p.smem_bytes};
   return asked_once(key, [&] { return by_tile<ResidentF>(p.bn, &p, bf16); });
 }
@@ -139,7 +145,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   const int fixed = std::max(0, env_int("SPINFER_SPLIT_FIXED", 40));     // tenths of a GroupTile (A/B runs)
   const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p)));  // tenths of a block per SM
   static std::map<std::array<int, 14>, int> cache;
-  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table;
+  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * p.wgmma;
   const std::array<int, 14> key{device, bf16, p.bn, variant, p.min_blocks, p.stages, p.value_cap,
                                 p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed, cap};
   {
@@ -148,7 +154,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   }
   const auto resident = [&](int k_per_split) {
     SpmmPlan q = p;
-    q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n);
+    q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n, p.wgmma > 0);
     return resident_blocks_cached(q, bf16, device);
   };
   const int splits = choose_splits(p, resident, sms, margin / 1000.0, fixed / 10.0, cap);
@@ -220,13 +226,22 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // the default register budget at BN <= 16 has it. SPINFER_ROW_TABLE=0 turns it off.
   p.row_table = row_table && budgets && p.lean && !p.count_rows && p.min_blocks == 7 &&
                 env_int("SPINFER_ROW_TABLE", 1) != 0;
+  // The warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg) at BN = 32 and 64 on sm_90 with the
+  // lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
+  // (SPINFER_WGMMA=0|1|2|3|4, A/B runs and tests) 1 or 2, 1 with one group in flight (3), or
+  // mma.sync (0). H100, same process, least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64
+  // (seventy-sixth session, docs/kernels.md), geomean x cuBLAS at 50% / 70% sparsity: mma.sync
+  // 0.963 / 0.996, groups of 1 1.068 / 1.153, the ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
+  const bool wgmma_ok = p.bulk && p.lean && major == 9 && p.bn >= 32 && tensor_map_encoder() != nullptr;
+  const int group = env_int("SPINFER_WGMMA", 4);
+  p.wgmma = !wgmma_ok || group <= 0 ? 0 : group >= 4 ? 4 : group;  // 3: kWgRing
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);
   if (splits == 0) splits = splits_cached(p, bf16, device, n, sms);
   p.k_per_split = per_split(p.grid_k, splits);
   p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
-  p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n);
+  p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n, p.wgmma > 0);
   // Activation slices through L1 (cp.async.ca, sm_90 loader) where a stage's slice, 2 x 64
   // columns x BN tokens, is at most half its compressed weight bytes (two bitmaps and two runs,
   // value_cap for the run): the blocks on an SM read the same slices, and L1 serves a block the

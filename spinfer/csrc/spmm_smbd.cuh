@@ -19,6 +19,7 @@
 //    arrive for a tile reduces them in a fixed order.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -86,21 +87,30 @@ constexpr int kTableBytes = 8;
 // tokens past N repeat the last valid token's row, and the accumulator columns they feed are
 // never stored (an mma's output column n depends on B's column n only). Both keep more blocks
 // resident, which measured as the strongest lever of this kernel (2 stages beat 3 and 4).
-template <int BN>
+// kWg (the warp-group MMA variant): the x slice is wgmma's K-major B operand instead, with the
+// 128-byte swizzle: GroupTile g's 64 columns of token n are the 128-byte row n of a region of BN
+// rows at g * BN * 128, 1024-byte aligned (the swizzle's period); one tensor copy a GroupTile
+// (box 64 columns x min(BN, N) tokens) writes it. BN rows whatever N: wgmma reads all BN columns
+// of B (rows past N that no copy writes feed only output columns that are never stored). The
+// first form, 16 copies a stage of 8 columns x the tokens each (16-byte rows, half of each 32-byte
+// L2 sector), ran 0.70x the mma.sync kernel whatever the group size (H100, 2026-12-07).
+template <int BN, bool kWg = false>
 struct Layout {
   static constexpr int kValueOffset = kPair * kBitmapBytes;
+  static constexpr int kXTileBytes = BN * kGt * 2;  // kWg: a GroupTile's x region
   int value_bytes, x_offset, stage_bytes, stages;
   __host__ __device__ Layout(int value_cap, int n_stages, int n)
       : value_bytes(((kPair * value_cap + kValueSlack) * 2 + 15) / 16 * 16),
-        x_offset(kValueOffset + value_bytes),
-        stage_bytes(x_offset + (n < BN ? n : BN) * kXStride * 2),  // 272 B rows: 16-byte aligned
+        x_offset(kWg ? (kValueOffset + value_bytes + 1023) / 1024 * 1024 : kValueOffset + value_bytes),
+        stage_bytes(kWg ? x_offset + kPair * kXTileBytes
+                        : x_offset + (n < BN ? n : BN) * kXStride * 2),  // 272 B rows: 16-byte aligned
         stages(n_stages) {}
   __host__ __device__ int offsets_offset() const { return stages * stage_bytes; }
   __host__ __device__ int pairs_offset(int k_per_split) const {
     return offsets_offset() + ((k_per_split + 1) * 4 + 15) / 16 * 16;
   }
-  __host__ __device__ int smem_bytes(int k_per_split) const {
-    return pairs_offset(k_per_split) + ((k_per_split + kPair - 1) / kPair * 8 + 15) / 16 * 16;
+  __host__ __device__ int smem_bytes(int k_per_split) const {  // kWg: with the slack to align the base
+    return pairs_offset(k_per_split) + ((k_per_split + kPair - 1) / kPair * 8 + 15) / 16 * 16 + (kWg ? 1024 - 16 : 0);
   }
 };
 
@@ -190,6 +200,36 @@ __device__ __forceinline__ uint32_t pair_selector(uint32_t kept) {
   return ptx::prmt(0u, kSelTable, f * kSelMul + kSelAdd);
 }
 
+// Decodes TCTile t of this warp's row into an A fragment (a[j]: BitmapTile j = register Ra_j,
+// TL, BL, TR, BR). pk: this lane's half of the published pairs; vals/last: the run (lean: unused,
+// the pairs carry shared addresses); to_top: see pair_selector.
+template <bool kLean>
+__device__ __forceinline__ void decode_tctile(const uint4* pk, const uint16_t* vals, int last, int t, uint32_t to_top,
+                                              uint32_t (&a)[4]) {
+  const uint4 qa = pk[2 * t], qb = pk[2 * t + 1];
+  const uint2 words[4] = {{qa.x, qa.y}, {qa.z, qa.w}, {qb.x, qb.y}, {qb.z, qb.w}};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint2 he = words[j];  // {this lane's half of word 4t+j, its prefix}
+    // Both candidates are loaded unconditionally and selected: cheaper than two predicated
+    // loads plus two zeroings. Either may lie up to two values before the run (at e = 0
+    // or 1); those are other bytes of the stage, read and discarded.
+    const uint32_t kept = ptx::mul_lo(he.x, to_top);
+    const int e = __popc(kept);
+    uint32_t u0, u1;
+    if constexpr (kLean) {  // he.y: the shared address of values[prefix - 2]
+      const uint32_t addr = he.y + 2u * e;
+      u0 = ptx::lds_u16(addr);
+      u1 = ptx::lds_u16(addr + 2);
+    } else {
+      const int off = min(static_cast<int>(he.y) + e, last + 1) - 2;
+      u0 = vals[off];
+      u1 = vals[off + 1];
+    }
+    a[j] = ptx::prmt(u0, u1, pair_selector(kept));
+  }
+}
+
 // Decodes this warp's TCTile row of one GroupTile from its published pairs and multiplies it
 // into acc. pack: the pairs (half-major, kPackStride apart); vals/last: the run (lean: unused,
 // the pairs carry shared addresses); xa: this lane's ldmatrix row address in each n8 block of
@@ -214,32 +254,78 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
     for (int nb = 0; nb < BN / 8; ++nb) ptx::ldmatrix_x4(b[nb], xa[nb] + (gt * kGt + 16 * tt) * 2);
 #pragma unroll
     for (int t = tt; t < tt + 2; ++t) {  // TCTile (warp, t): k columns 16t .. 16t+15
-      const uint4 qa = pk[2 * t], qb = pk[2 * t + 1];
-      const uint2 words[4] = {{qa.x, qa.y}, {qa.z, qa.w}, {qb.x, qb.y}, {qb.z, qb.w}};
       uint32_t a[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // BitmapTile j = register Ra_j (TL, BL, TR, BR)
-        const uint2 he = words[j];   // {this lane's half of word 4t+j, its prefix}
-        // Both candidates are loaded unconditionally and selected: cheaper than two predicated
-        // loads plus two zeroings. Either may lie up to two values before the run (at e = 0
-        // or 1); those are other bytes of the stage, read and discarded.
-        const uint32_t kept = ptx::mul_lo(he.x, to_top);
-        const int e = __popc(kept);
-        uint32_t u0, u1;
-        if constexpr (kLean) {  // he.y: the shared address of values[prefix - 2]
-          const uint32_t addr = he.y + 2u * e;
-          u0 = ptx::lds_u16(addr);
-          u1 = ptx::lds_u16(addr + 2);
-        } else {
-          const int off = min(static_cast<int>(he.y) + e, last + 1) - 2;
-          u0 = vals[off];
-          u1 = vals[off + 1];
-        }
-        a[j] = ptx::prmt(u0, u1, pair_selector(kept));
-      }
+      decode_tctile<kLean>(pk, vals, last, t, to_top, a);
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) ptx::mma_m16n8k16<kBF16>(acc[nb], a, b[nb][2 * (t - tt)], b[nb][2 * (t - tt) + 1]);
     }
+  }
+}
+
+// decode_gt for the warp-group MMA variant (kWg, BN = 32 and 64, sm_90a, lean decode): the four
+// decoding warps are one warp group, whose TCTile rows are the 64 rows of one wgmma.m64nBNk16 per
+// TCTile, with B (the x slice, Layout's kWg layout, x_desc the low word of its descriptor) read
+// from shared memory by the tensor cores. So no warp loads B fragments (at BN = 32, 16
+// ldmatrix.x4 a stage, each warp the same ones) and a TCTile takes one wgmma where it took BN / 8
+// mma.sync. kGroup TCTiles' wgmma form a group, waited for before the next group's decode
+// overwrites their A registers; by the stage's end every group has retired, so the producer may
+// refill the stage after the block barrier. (Groups left in flight across the next decode need
+// a second set of A registers: 75 registers at BN = 32 instead of 50-56, and ptxas then moved
+// each wgmma's descriptor to uniform registers anew, 483 instructions a stage instead of 447.)
+// Each group is a warp-group rendezvous (its fence and wait), so larger groups meet less often:
+// 1, 2 or 4 TCTiles (a GroupTile), sm_90a fp16 at BN = 32: 447 / 442 / 481 instructions a
+// stage on the decoding path, 54 / 54 / 62 registers; at BN = 64 453 / 449 / 479, 64 / 68 / 74.
+// Pins every accumulator at this point (ptx::wgmma_hold): the compiler may not move their reads
+// or writes across a wgmma fence or wait.
+template <int BN>
+__device__ __forceinline__ void hold_accumulators(float (&acc)[BN / 8][4]) {
+#pragma unroll
+  for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ptx::wgmma_hold(acc[nb][e]);
+}
+
+constexpr int kWgRing = 3;  // SpmmPlan::wgmma: groups of 1 TCTile, one left in flight (decode_gt_wg_ring)
+
+template <bool kBF16, int BN, int kGroup>
+__device__ __forceinline__ void decode_gt_wg(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt, int lane,
+                                             uint32_t to_top, float (&acc)[BN / 8][4]) {
+  const uint4* pk = reinterpret_cast<const uint4*>(pack + (lane >> 4) * kPackStride);
+#pragma unroll
+  for (int t0 = 0; t0 < 4; t0 += kGroup) {
+    uint32_t a[kGroup][4];
+#pragma unroll
+    for (int t = 0; t < kGroup; ++t) decode_tctile<true>(pk, nullptr, 0, t0 + t, to_top, a[t]);
+    hold_accumulators<BN>(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < kGroup; ++t)  // k16 tile t0 + t of GroupTile gt: 32 (t0 + t) bytes into its rows
+      ptx::wgmma_m64k16<kBF16, BN>(acc, a[t], x_desc + (gt * BN * kGt * 2 + 32 * (t0 + t)) / 16, desc_hi);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+  }
+  hold_accumulators<BN>(acc);
+}
+
+// decode_gt_wg with one group left in flight (kWgRing): each TCTile's wgmma is its own group, and
+// the decode of the next TCTile runs while it multiplies, into the other of two A register sets;
+// wgmma_wait<1> after each commit retires the group before, whose registers the next decode
+// overwrites. The serial groups (1, 2, 4) measured 0.70x the mma.sync kernel (H100, 2026-12-07):
+// each warp waited out every wgmma. decode_stage drains the ring (wgmma_wait<0>) at the stage's
+// end, before the block barrier lets the producer refill the stage's x slice.
+template <bool kBF16, int BN>
+__device__ __forceinline__ void decode_gt_wg_ring(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt,
+                                                  int lane, uint32_t to_top, float (&acc)[BN / 8][4],
+                                                  uint32_t (&a)[2][4]) {
+  const uint4* pk = reinterpret_cast<const uint4*>(pack + (lane >> 4) * kPackStride);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    decode_tctile<true>(pk, nullptr, 0, t, to_top, a[t & 1]);
+    hold_accumulators<BN>(acc);
+    ptx::wgmma_fence();
+    ptx::wgmma_m64k16<kBF16, BN>(acc, a[t & 1], x_desc + (gt * BN * kGt * 2 + 32 * t) / 16, desc_hi);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<1>();
   }
 }
 
@@ -266,11 +352,12 @@ __device__ __forceinline__ uint32_t rows_above(const uint32_t* bm32, int row, in
 //   split of `pr` (stage_pair; kValueSlack readable elements past both); above: rows_above for
 //   this warp's row where the producer warp counted it (kCounted); table: the shared address of
 //   this row's field in the stage's row-table entries (kTable); else it is counted here; pack:
-//   2 x kPackPerGt pairs (the second GroupTile's at kPackPerGt).
-template <bool kBF16, int BN, bool kLean, bool kCounted, bool kTable>
+//   2 x kPackPerGt pairs (the second GroupTile's at kPackPerGt); xa: decode_gt's, or (kWg) x_desc:
+//   the low word of the wgmma descriptor of the stage's x slice.
+template <bool kBF16, int BN, bool kLean, bool kCounted, bool kTable, int kWg>
 __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_t* vals, const uint2 pr,
                                              const uint32_t* above, uint32_t table, const uint32_t (&xa)[BN / 8],
-                                             uint2* pack,
+                                             uint32_t x_desc, uint2* pack,
                                              int warp, int lane, uint32_t to_top, float (&acc)[BN / 8][4]) {
   // Exclusive PopCount prefix of every 32-bit half-word of this warp's 16 words, relative to
   // its run, for both GroupTiles at once: the two counts travel packed in 16-bit fields (at
@@ -305,9 +392,24 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
     pack[kPackPerGt + slot] = make_uint2(h1, excl >> 16);
   }
   __syncwarp();
-  decode_gt<kBF16, BN, kLean>(pack, vals, pr.x & 0xffff, xa, 0, lane, to_top, acc);
-  if (pr.y >> 16 == kPair)
-    decode_gt<kBF16, BN, kLean>(pack + kPackPerGt, vals + split, pr.x >> 16, xa, 1, lane, to_top, acc);
+  if constexpr (kWg) {
+    uint32_t desc_hi = ptx::wgmma_desc_hi_sw128(1024);
+    asm volatile("" : "+r"(desc_hi));  // one register for every wgmma, where ptxas rebuilt it for each
+    if constexpr (kWg == kWgRing) {
+      uint32_t a[2][4];
+      decode_gt_wg_ring<kBF16, BN>(pack, x_desc, desc_hi, 0, lane, to_top, acc, a);
+      if (pr.y >> 16 == kPair) decode_gt_wg_ring<kBF16, BN>(pack + kPackPerGt, x_desc, desc_hi, 1, lane, to_top, acc, a);
+      ptx::wgmma_wait<0>();
+      hold_accumulators<BN>(acc);
+    } else {
+      decode_gt_wg<kBF16, BN, kWg>(pack, x_desc, desc_hi, 0, lane, to_top, acc);
+      if (pr.y >> 16 == kPair) decode_gt_wg<kBF16, BN, kWg>(pack + kPackPerGt, x_desc, desc_hi, 1, lane, to_top, acc);
+    }
+  } else {
+    decode_gt<kBF16, BN, kLean>(pack, vals, pr.x & 0xffff, xa, 0, lane, to_top, acc);
+    if (pr.y >> 16 == kPair)
+      decode_gt<kBF16, BN, kLean>(pack + kPackPerGt, vals + split, pr.x >> 16, xa, 1, lane, to_top, acc);
+  }
 }
 
 // Resident blocks the register allocation must allow (__launch_bounds__' second argument). The
@@ -330,23 +432,40 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // thread issues 16-byte cp.async and groups are counted. kCount (SpmmPlan::count_rows): the
 // producer warp also counts the bitmap rows above each decoding warp's (rows_above). kTable
 // (SpmmPlan::row_table): the decoding warps read them from the weight's row table instead.
+// kWg (SpmmPlan::wgmma): the warp-group MMA variant of the lean sm_90 kernel at BN = 32 and 64
+// (decode_gt_wg), whose producer brings each stage's x slice with tensor copies through x_map
+// (encode_x_map) in the wgmma layout (Layout); x_map is unused elsewhere.
 template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false,
-          bool kTable = false>
+          bool kTable = false, int kWg = 0>
 __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
-                     const int n_stages) {
+                     const int n_stages, const __grid_constant__ CUtensorMap x_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (kBulk) {
     __trap();  // never launched below sm_90 (the host checks); keeps sm_80 builds valid
   } else
 #endif
+#if defined(__CUDA_ARCH__) && !defined(SPINFER_WGMMA)
+  if constexpr (kWg) {
+    __trap();  // wgmma is sm_90a's: the host launches this variant on sm_90 only
+  } else
+#endif
   {
     static_assert(!kCount || (kBulk && BN <= 16), "the producer counts rows for the sm_90 loader at BN <= 16");
     static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
-    using L = Layout<BN>;
+    static_assert(!kWg || (kBulk && kLean && !kCount && !kTable && BN >= 32), "wgmma: the lean sm_90 kernel at BN >= 32");
+    using L = Layout<BN, (kWg > 0)>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;
-    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* smem;
+    if constexpr (kWg) {
+      // the swizzle's period; the runtime guarantees 16 bytes, so the base moves up to 1008 on
+      extern __shared__ __align__(1024) unsigned char smem_wg[];
+      smem = smem_wg + ((1024u - (ptx::smem_addr(smem_wg) & 1023u)) & 1023u);
+    } else {
+      extern __shared__ __align__(16) unsigned char smem_16[];
+      smem = smem_16;
+    }
     __shared__ __align__(8) uint64_t s_full[kMaxStages];  // bulk: the stage's bytes have landed
     __shared__ __align__(16) uint16_t s_table[kTable ? kMaxStages : 1][kPair * kTableBytes / 2];  // row-table entries
     __shared__ __align__(16) uint2 s_pack[kWarps][kPair * kPackPerGt];
@@ -364,9 +483,9 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 
     if constexpr (kBulk) {
       if (tid == 0) {
-        // A stage's phase: the producer's byte count for the bulk copies, and one arrival from each
-        // producer lane once its x copies have landed.
-        for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], 1 + 32);
+        // A stage's phase: the producer's byte count for the bulk copies, and (but kWg, whose x
+        // copies count their bytes) one arrival from each producer lane once its x copies have landed.
+        for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], kWg ? 1 : 1 + 32);
         ptx::fence_mbarrier_init();
       }
       if (kCount && tid < kMaxStages) s_above[tid][0] = 0u;  // nothing above row 0
@@ -387,9 +506,18 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     // with_x = false leaves the x rows to issue_x: the first stages' weights go out before
     // griddep_wait (launch.cuh), their x rows after it.
     const uint64_t policy = ptx::l2_stream_policy(args.evict_first);  // bitmaps and values
+    // kWg: the bytes of a stage's x tensor copies, 2 boxes of 64 columns x min(BN, N) tokens
+    // (encode_x_map; a box's columns past K arrive as zeros and count).
+    const int x_tx = kWg ? kPair * kGt * 2 * min(BN, args.n) : 0;
     auto issue_x = [&](int stage, int p) {
       const int gts = min(kPair, b.nk - kPair * p);
       const int k0 = (b.g_begin + kPair * p) * kGt;
+      if constexpr (kWg) {  // one tensor copy a GroupTile, both (past K or the split: zeros or unused)
+        if (lane < kPair)
+          ptx::cp_async_bulk_tensor_2d_g2s(smem + stage * lay.stage_bytes + lay.x_offset + lane * L::kXTileBytes,
+                                           &x_map, k0 + kGt * lane, b.n0, &s_full[stage]);
+        return;
+      }
       constexpr int kChunks = kPair * kGt / 8;  // 16-byte chunks per x row
       constexpr int kRowStep = 32 / kChunks;    // rows between a lane's copies
       const int cc = lane % kChunks;
@@ -419,7 +547,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
       const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
       if (lane == 0) {
         ptx::fence_proxy_async_shared();  // the generic reads of this buffer come before the copy
-        ptx::mbarrier_arrive_expect_tx(&s_full[stage], r.gts * kBitmapBytes + r.total * 2);
+        ptx::mbarrier_arrive_expect_tx(&s_full[stage], r.gts * kBitmapBytes + r.total * 2 + x_tx);
         ptx::cp_async_bulk_g2s(st, args.bitmap + (first_gtile + kPair * p) * kWordsPerGt, r.gts * kBitmapBytes,
                                &s_full[stage], policy);
         if (r.total > 0)
@@ -473,10 +601,11 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
       uint32_t xa[BN / 8];
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) xa[nb] = ptx::smem_addr(st) + x_lane[nb];
-      decode_stage<kBF16, BN, kLean, kCount, kTable>(
+      const uint32_t x_desc = kWg ? ptx::wgmma_desc_lo(ptx::smem_addr(st) + lay.x_offset, 16) : 0u;
+      decode_stage<kBF16, BN, kLean, kCount, kTable, kWg>(
           reinterpret_cast<const uint32_t*>(st), reinterpret_cast<const uint16_t*>(st + L::kValueOffset), s_pairs[p],
-          &s_above[stage][warp], ptx::smem_addr(s_table[kTable ? stage : 0]) + 2u * warp, xa, s_pack[warp], warp, lane,
-          to_top, acc);
+          &s_above[stage][warp], ptx::smem_addr(s_table[kTable ? stage : 0]) + 2u * warp, xa, x_desc, s_pack[warp],
+          warp, lane, to_top, acc);
     };
 
     // Stage p is consumed while stages p+1 .. p+S-1 are in flight; the prefetch at step p
@@ -507,6 +636,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 #pragma unroll
             for (int r = 0; r < kWarps - 1; ++r) s_above[c][r + 1] = above[r];
         };
+        if (kWg && lane == 0) ptx::prefetch_tensormap(&x_map);  // the first x copy waits on it otherwise
         for (int st = 0; st < S - 1 && st < np; ++st) issue_bulk(st, st, false);
         ptx::griddep_wait();  // x is the previous kernel's output
         for (int st = 0; st < S - 1 && st < np; ++st) issue_x(st, st);
@@ -569,11 +699,16 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 }
 
 // ---------------------------------------------------------------------------------------------
+// The x tensor map of the wgmma variant (spmm_smbd.cu): x [n, kp], boxes of 8 columns x min(bn, n)
+// tokens, so a copy writes one chunk of Layout<BN, true>'s x slice (tokens past n arrive as zeros).
+cudaError_t encode_x_map(CUtensorMap* map, const void* x, int n, int kp, int bn, bool bf16);
+
 // Host side of one (dtype, BN) instantiation; instantiated in spmm_smbd_{fp16,bf16}.cu so the
 // two dtypes compile in parallel.
 template <int BN>
-int smem_bytes(int k_per_split, int value_cap, int stages, int n) {
-  return Layout<BN>(value_cap, stages, n).smem_bytes(k_per_split);
+int smem_bytes(int k_per_split, int value_cap, int stages, int n, bool wgmma) {
+  return wgmma ? Layout<BN, true>(value_cap, stages, n).smem_bytes(k_per_split)
+               : Layout<BN>(value_cap, stages, n).smem_bytes(k_per_split);
 }
 
 // The kernel variant a plan launches.
@@ -581,6 +716,13 @@ template <bool kBF16, int BN>
 auto kernel_for(const SpmmPlan& plan) {
   if (!plan.bulk) return plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true> : spmm_smbd_kernel<kBF16, BN, false, false>;
   if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
+  if constexpr (BN >= 32)
+    if (plan.wgmma) {
+      if (plan.wgmma == 4) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;
+      if (plan.wgmma == kWgRing) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgRing>;
+      if (plan.wgmma == 2) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 2>;
+      return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 1>;
+    }
   if constexpr (BN <= 16) {
     if (plan.row_table && plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true>;
     if (plan.count_rows) {
@@ -618,8 +760,13 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
   // The bulk loader hints its copies itself (ptx::l2_stream_policy); the cp.async loader gets a
   // window over the values, most of the stream.
   const StreamWindow window = plan.bulk ? StreamWindow{} : stream_window(args.values, args.nvalues * 2);
+  CUtensorMap x_map{};
+  if (plan.wgmma) {
+    err = encode_x_map(&x_map, args.x, args.n, args.kp, BN, kBF16);
+    if (err != cudaSuccess) return err;
+  }
   return launch_kernel_window(kernel, grid, plan.bulk ? kThreads<true> : kThreads<false>, plan.smem_bytes, stream,
-                              plan.pdl, window, args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages);
+                              plan.pdl, window, args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages, x_map);
 }
 
 #define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64)

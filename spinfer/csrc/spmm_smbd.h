@@ -61,6 +61,10 @@ struct SpmmPlan {
   bool stagger;     // the sm_90 producer requests a block's second stage once its first has landed:
                     // at BN = 8 where it does not count rows (spmm_smbd.cu); SPINFER_STAGGER=0|1
                     // overrides there
+  int wgmma;        // the warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg), as the TCTiles of one
+                    // wgmma group (1, 2 or 4; 3: 1 with one group in flight, kWgRing; 0: mma.sync):
+                    // BN = 32 and 64 on sm_90 with the lean decode (spmm_smbd.cu);
+                    // SPINFER_WGMMA=0|1|2|3|4 overrides
 };
 
 // Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:

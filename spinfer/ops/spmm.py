@@ -198,7 +198,8 @@ def entry_args(weight: TCABME, splits: int) -> tuple:
 
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
-               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger", "row_table")
+               "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger", "row_table",
+               "wgmma")
 
 
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -213,7 +214,10 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     ``count_rows``: whether its producer warp counts the bitmap rows above each decoding warp's,
     and ``stagger``: whether it requests the ring's last stage only once a block's first has landed
     (at ``bn`` = 8 where it does not count rows), and ``row_table``: whether the decoding warps read
-    the rows above their own from the weight's row table (``TCABME.row_offset``) instead.
+    the rows above their own from the weight's row table (``TCABME.row_offset``) instead, and
+    ``wgmma``: the TCTiles of one warp-group MMA group in the sm_90 kernel at ``bn`` = 32 and 64
+    (4 by default; 1, 2, or 3 for groups of 1 with one left in flight, through ``SPINFER_WGMMA``), or 0
+    where it runs ``mma.sync``.
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)

@@ -275,6 +275,8 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
 // Each group is a warp-group rendezvous (its fence and wait), so larger groups meet less often:
 // 1, 2 or 4 TCTiles (a GroupTile), sm_90a fp16 at BN = 32: 447 / 442 / 481 instructions a
 // stage on the decoding path, 54 / 54 / 62 registers; at BN = 64 453 / 449 / 479, 64 / 68 / 74.
+// Groups of 4 measured fastest (H100, same process, 4 issue shapes x N = 24 / 32 / 64, geomean
+// x cuBLAS at 50%: mma.sync 0.963, groups of 1 1.068, of 4 1.121), so the planner takes them.
 // Pins every accumulator at this point (ptx::wgmma_hold): the compiler may not move their reads
 // or writes across a wgmma fence or wait.
 template <int BN>
@@ -310,9 +312,9 @@ __device__ __forceinline__ void decode_gt_wg(const uint2* pack, uint32_t x_desc,
 // decode_gt_wg with one group left in flight (kWgRing): each TCTile's wgmma is its own group, and
 // the decode of the next TCTile runs while it multiplies, into the other of two A register sets;
 // wgmma_wait<1> after each commit retires the group before, whose registers the next decode
-// overwrites. The serial groups (1, 2, 4) measured 0.70x the mma.sync kernel (H100, 2026-12-07):
-// each warp waited out every wgmma. decode_stage drains the ring (wgmma_wait<0>) at the stage's
-// end, before the block barrier lets the producer refill the stage's x slice.
+// overwrites. decode_stage drains the ring (wgmma_wait<0>) at the stage's end, before the block
+// barrier lets the producer refill the stage's x slice. Measured 2% slower than serial groups of
+// 1 and 7% slower than groups of 4 (H100, seventy-sixth session): kept for A/B runs only.
 template <bool kBF16, int BN>
 __device__ __forceinline__ void decode_gt_wg_ring(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt,
                                                   int lane, uint32_t to_top, float (&acc)[BN / 8][4],

@@ -45,7 +45,9 @@ for m, k, n, splits, stages, decode, budget, count, stagger, wgmma in [] if "spm
         (4097, 1000, 40, "1", "3", "lean", "7", "0", "0", "1"), (300, 1450, 20, "3", "2", "lean", "7", "0", "0", "2"),
         (4097, 1000, 64, "2", "2", "lean", "7", "0", "0", "2"), (200, 700, 20, "1", "2", "lean", "7", "0", "0", "0"),
         (300, 1450, 48, "2", "3", "lean", "7", "0", "0", "4"), (4097, 1000, 30, "1", "2", "lean", "7", "0", "0", "4"),
-        (300, 1450, 64, "2", "3", "lean", "7", "0", "0", "3"), (4097, 1000, 24, "1", "2", "lean", "7", "0", "0", "3")]:
+        (300, 1450, 64, "2", "3", "lean", "7", "0", "0", "3"), (4097, 1000, 24, "1", "2", "lean", "7", "0", "0", "3"),
+        (4097, 1000, 1, "2", "2", "lean", "7", "0", "1", "4"), (300, 1450, 5, "3", "3", "lean", "7", "1", "1", "4"),
+        (4097, 1000, 16, "1", "2", "lean", "7", "1", "1", "4"), (300, 1450, 8, "2", "2", "lean", "7", "0", "0", "4")]:
     os.environ["SPINFER_SPLITS"] = splits
     os.environ["SPINFER_STAGES"] = stages
     os.environ["SPINFER_DECODE"] = decode
@@ -53,6 +55,7 @@ for m, k, n, splits, stages, decode, budget, count, stagger, wgmma in [] if "spm
     os.environ["SPINFER_COUNT_ROWS"] = count  # the producer warp counts the rows above (sm_90, BN <= 16)
     os.environ["SPINFER_STAGGER"] = stagger  # the next stage after the first lands (sm_90, BN = 8)
     os.environ["SPINFER_WGMMA"] = wgmma  # wgmma groups of 1, 2 or 4 TCTiles, or mma.sync (sm_90, BN >= 32, lean)
+    os.environ["SPINFER_WGMMA_SMALL"] = "1" if n <= 16 and wgmma == "4" else "0"  # and at BN <= 16
     for dt in (torch.float16, torch.bfloat16):
         w = torch.randn(m, k, device="cuda").to(dt)
         w[torch.rand(m, k, device="cuda") < 0.5] = 0

@@ -189,6 +189,54 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
         assert plan["wgmma"] == (4 if plan["bulk"] and plan["lean"] and plan["bn"] >= 32 else 0), plan
 
 
+def test_warp_group_mma_small_tiles(monkeypatch):
+    """SPINFER_WGMMA_SMALL=1: the sm_90 kernel at BN = 8 and 16 on wgmma (groups of 4 TCTiles),
+    with each way of finding the rows above a warp's row (the producer's count at 30% sparsity and
+    at BN = 16, the row table at 60%, neither with SPINFER_ROW_TABLE=0): the float64 check holds
+    and the results agree with mma.sync's, at N = 1-16 (tiles of fewer tokens than BN, whose x
+    slice has rows no copy writes), split and unsplit, 2 and 3 stages, a dense GroupTile and a
+    dense row, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports it only at the default
+    register budget; without the variable it stays on mma.sync."""
+    for dtype in (torch.float16, torch.bfloat16):
+        weights = []
+        for sparsity in (0.3, 0.6):
+            w = random_sparse((4097, 1450), sparsity, dtype, device="cuda")
+            w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
+            w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
+            weights.append(w)
+        weights += [random_sparse((300, 1000), 0.0, dtype, device="cuda"),
+                    random_sparse((300, 1000), 0.999, dtype, device="cuda")]
+        for wi, w in enumerate(weights):
+            enc = TCABME.from_dense(w)
+            b = torch.randn(w.shape[0], device="cuda").to(dtype)
+            for stages, splits, table in ((None, None, "1"), (None, "3", "1"), ("3", None, "1"), ("3", "5", "0")):
+                for env, value in (("SPINFER_STAGES", stages), ("SPINFER_SPLITS", splits),
+                                   ("SPINFER_ROW_TABLE", table)):
+                    if value:
+                        monkeypatch.setenv(env, value)
+                    else:
+                        monkeypatch.delenv(env, raising=False)
+                for n in (1, 3, 8, 9, 13, 16) if wi < 2 else (1, 16):
+                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+                    monkeypatch.delenv("SPINFER_WGMMA_SMALL", raising=False)
+                    other = spmm_poisoned(x, enc, b)
+                    assert spmm_plan(enc, n, dtype=dtype)["wgmma"] == 0
+                    monkeypatch.setenv("SPINFER_WGMMA_SMALL", "1")
+                    y = spmm_poisoned(x, enc, b)
+                    ref = x.double() @ w.double().t() + b.double()
+                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits, table)
+                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
+                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits, table)
+                    plan = spmm_plan(enc, n, dtype=dtype)
+                    runs = plan["bulk"] and plan["lean"] and plan["min_blocks"] == 7
+                    assert plan["wgmma"] == (4 if runs else 0), plan
+    for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_ROW_TABLE"):
+        monkeypatch.delenv(env, raising=False)
+    enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
+    monkeypatch.setenv("SPINFER_MIN_BLOCKS", "8")  # another register budget: mma.sync
+    assert all(spmm_plan(enc, n)["wgmma"] == 0 for n in (1, 8, 16))
+
+
 @pytest.mark.parametrize("x_l1", ["0", "1"])
 def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
     """The sm_90 loader's activation copies through L1 or not (SPINFER_SPMM_XL1) give the same

@@ -408,10 +408,12 @@ __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi(uint32_t sbo) { retu
 // unused (a k16 tile lies inside a row), and a k16 tile `t` of the row starts 32 t bytes on.
 __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi_sw128(uint32_t sbo) { return (sbo >> 4) | (1u << 30); }
 
-// One thread's accumulators as asm operands %0 ... (16 at N = 32, 32 at N = 64).
+// One thread's accumulators as asm operands %0 ... (4 at N = 8, 8 at 16, 16 at 32, 32 at 64).
+#define SPINFER_WGMMA_ACC8 "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+#define SPINFER_WGMMA_ACC16 \
+  SPINFER_WGMMA_ACC8, "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
 #define SPINFER_WGMMA_ACC32 \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+  SPINFER_WGMMA_ACC16, \
   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
 #define SPINFER_WGMMA_ACC64 \
@@ -427,6 +429,9 @@ __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi_sw128(uint32_t sbo) 
   "{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, " ONE ", 0;\nmov.b64 desc, {" LO ", " HI "};\n" \
   "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE " {" DREGS "}, {" AREGS "}, desc, p, 1, 1, "  \
   "0;\n}\n"
+#define SPINFER_WGMMA_ASM8(TYPE) SPINFER_WGMMA_ASM("8", TYPE, "%0,%1,%2,%3", "%4,%5,%6,%7", "%8", "%9", "%10")
+#define SPINFER_WGMMA_ASM16(TYPE) \
+  SPINFER_WGMMA_ASM("16", TYPE, "%0,%1,%2,%3,%4,%5,%6,%7", "%8,%9,%10,%11", "%12", "%13", "%14")
 #define SPINFER_WGMMA_ASM32(TYPE)                                                                     \
   SPINFER_WGMMA_ASM("32", TYPE, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15", "%16,%17,%18,%19", \
                     "%20", "%21", "%22")
@@ -440,9 +445,17 @@ __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi_sw128(uint32_t sbo) 
 template <bool kBF16, int N>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t desc_lo,
                                              uint32_t desc_hi) {
-  static_assert(N == 32 || N == 64, "the SMBD kernel's tiles of 32 and 64 tokens");
+  static_assert(N == 8 || N == 16 || N == 32 || N == 64, "the SMBD kernel's tiles of 8, 16, 32 and 64 tokens");
 #ifdef SPINFER_WGMMA
-  if constexpr (N == 32 && !kBF16)
+  if constexpr (N == 8 && !kBF16)
+    asm volatile(SPINFER_WGMMA_ASM8("f16") : SPINFER_WGMMA_ACC8 : SPINFER_WGMMA_IN);
+  else if constexpr (N == 8)
+    asm volatile(SPINFER_WGMMA_ASM8("bf16") : SPINFER_WGMMA_ACC8 : SPINFER_WGMMA_IN);
+  else if constexpr (N == 16 && !kBF16)
+    asm volatile(SPINFER_WGMMA_ASM16("f16") : SPINFER_WGMMA_ACC16 : SPINFER_WGMMA_IN);
+  else if constexpr (N == 16)
+    asm volatile(SPINFER_WGMMA_ASM16("bf16") : SPINFER_WGMMA_ACC16 : SPINFER_WGMMA_IN);
+  else if constexpr (N == 32 && !kBF16)
     asm volatile(SPINFER_WGMMA_ASM32("f16") : SPINFER_WGMMA_ACC32 : SPINFER_WGMMA_IN);
   else if constexpr (N == 32)
     asm volatile(SPINFER_WGMMA_ASM32("bf16") : SPINFER_WGMMA_ACC32 : SPINFER_WGMMA_IN);

@@ -455,7 +455,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
   {
     static_assert(!kCount || (kBulk && BN <= 16), "the producer counts rows for the sm_90 loader at BN <= 16");
     static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
-    static_assert(!kWg || (kBulk && kLean && !kCount && !kTable && BN >= 32), "wgmma: the lean sm_90 kernel at BN >= 32");
+    static_assert(!kWg || (kBulk && kLean), "wgmma: the lean sm_90 kernel");
     using L = Layout<BN, (kWg > 0)>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;
@@ -475,7 +475,9 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     __shared__ uint32_t s_above[kCount ? kMaxStages : 1][kWarps];
     __shared__ int s_is_last;
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // kWg: the warp index broadcast from lane 0, so ptxas knows it (and the loop the decoding warps
+    // run) warp-uniform and may keep the wgmma descriptors in uniform registers.
+    const int tid = threadIdx.x, warp = kWg ? __shfl_sync(kFull, tid / 32, 0) : tid / 32, lane = tid % 32;
     const BlockWork b = block_work(args, BN, grid_k, k_per_split);
     const int np = (b.nk + kPair - 1) / kPair;  // stages' worth of GroupTile pairs
     int* s_off = reinterpret_cast<int*>(smem + lay.offsets_offset());
@@ -486,8 +488,9 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     if constexpr (kBulk) {
       if (tid == 0) {
         // A stage's phase: the producer's byte count for the bulk copies, and (but kWg, whose x
-        // copies count their bytes) one arrival from each producer lane once its x copies have landed.
-        for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], kWg ? 1 : 1 + 32);
+        // copies count their bytes, without kTable) one arrival from each producer lane once its
+        // x copies and row-table entries have landed.
+        for (int st = 0; st < S; ++st) ptx::mbarrier_init(&s_full[st], kWg && !kTable ? 1 : 1 + 32);
         ptx::fence_mbarrier_init();
       }
       if (kCount && tid < kMaxStages) s_above[tid][0] = 0u;  // nothing above row 0
@@ -514,16 +517,15 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     auto issue_x = [&](int stage, int p) {
       const int gts = min(kPair, b.nk - kPair * p);
       const int k0 = (b.g_begin + kPair * p) * kGt;
+      constexpr int kChunks = kPair * kGt / 8;  // 16-byte chunks per x row
+      constexpr int kRowStep = 32 / kChunks;    // rows between a lane's copies
+      const int cc = lane % kChunks;
       if constexpr (kWg) {  // one tensor copy a GroupTile, both (past K or the split: zeros or unused)
         if (lane < kPair)
           ptx::cp_async_bulk_tensor_2d_g2s(smem + stage * lay.stage_bytes + lay.x_offset + lane * L::kXTileBytes,
                                            &x_map, k0 + kGt * lane, b.n0, &s_full[stage]);
-        return;
-      }
-      constexpr int kChunks = kPair * kGt / 8;  // 16-byte chunks per x row
-      constexpr int kRowStep = 32 / kChunks;    // rows between a lane's copies
-      const int cc = lane % kChunks;
-      if (cc < gts * kGt / 8) {
+        if constexpr (!kTable) return;
+      } else if (cc < gts * kGt / 8) {
         const char* src =
             static_cast<const char*>(args.x) + (int64_t(b.n0 + lane / kChunks) * args.kp + k0 + cc * 8) * 2;
         uint32_t dst = ptx::smem_addr(smem + stage * lay.stage_bytes + lay.x_offset) +
@@ -701,7 +703,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The x tensor map of the wgmma variant (spmm_smbd.cu): x [n, kp], boxes of 8 columns x min(bn, n)
+// The x tensor map of the wgmma variant (spmm_smbd.cu): x [n, kp], 128-byte-swizzled boxes of 64 columns x min(bn, n)
 // tokens, so a copy writes one chunk of Layout<BN, true>'s x slice (tokens past n arrive as zeros).
 cudaError_t encode_x_map(CUtensorMap* map, const void* x, int n, int kp, int bn, bool bf16);
 
@@ -726,6 +728,11 @@ auto kernel_for(const SpmmPlan& plan) {
       return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 1>;
     }
   if constexpr (BN <= 16) {
+    if (plan.wgmma && plan.min_blocks == 7) {  // groups of 4 only, at the default register budget
+      if (plan.row_table) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true, 4>;
+      if (plan.count_rows) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true, false, 4>;
+      return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, false, 4>;
+    }
     if (plan.row_table && plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true>;
     if (plan.count_rows) {
       if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8, true>;

@@ -269,9 +269,8 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
 // ldmatrix.x4 a stage, each warp the same ones) and a TCTile takes one wgmma where it took BN / 8
 // mma.sync. kGroup TCTiles' wgmma form a group, waited for before the next group's decode
 // overwrites their A registers; by the stage's end every group has retired, so the producer may
-// refill the stage after the block barrier. (Groups left in flight across the next decode need
-// a second set of A registers: 75 registers at BN = 32 instead of 50-56, and ptxas then moved
-// each wgmma's descriptor to uniform registers anew, 483 instructions a stage instead of 447.)
+// refill the stage after the block barrier. (decode_gt_wg_ring leaves one group in flight
+// across the next decode instead, in a second set of A registers.)
 // Each group is a warp-group rendezvous (its fence and wait), so larger groups meet less often:
 // 1, 2 or 4 TCTiles (a GroupTile), sm_90a fp16 at BN = 32: 447 / 442 / 481 instructions a
 // stage on the decoding path, 54 / 54 / 62 registers; at BN = 64 453 / 449 / 479, 64 / 68 / 74.
@@ -396,7 +395,9 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
   __syncwarp();
   if constexpr (kWg) {
     uint32_t desc_hi = ptx::wgmma_desc_hi_sw128(1024);
-    asm volatile("" : "+r"(desc_hi));  // one register for every wgmma, where ptxas rebuilt it for each
+    // ptxas still moves it to a uniform register before every wgmma, but from one register: without
+    // this it rebuilt it each time, 1-4 more instructions a stage (sm_90a SASS, BN = 32)
+    asm volatile("" : "+r"(desc_hi));
     if constexpr (kWg == kWgRing) {
       uint32_t a[2][4];
       decode_gt_wg_ring<kBF16, BN>(pack, x_desc, desc_hi, 0, lane, to_top, acc, a);
@@ -703,8 +704,9 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The x tensor map of the wgmma variant (spmm_smbd.cu): x [n, kp], 128-byte-swizzled boxes of 64 columns x min(bn, n)
-// tokens, so a copy writes one chunk of Layout<BN, true>'s x slice (tokens past n arrive as zeros).
+// The x tensor map of the wgmma variant (spmm_smbd.cu): x [n, kp] in 128-byte-swizzled boxes of 64
+// columns x min(bn, n) tokens, so a copy writes one GroupTile's region of Layout<BN, true>'s x
+// slice (tokens past n and columns past kp arrive as zeros).
 cudaError_t encode_x_map(CUtensorMap* map, const void* x, int n, int kp, int bn, bool bf16);
 
 // Host side of one (dtype, BN) instantiation; instantiated in spmm_smbd_{fp16,bf16}.cu so the

@@ -182,21 +182,25 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
     enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
     monkeypatch.setenv("SPINFER_WGMMA", wgmma)
-    assert all(spmm_plan(enc, n)["wgmma"] == 0 for n in (1, 8, 16))  # BN <= 16: mma.sync
-    monkeypatch.delenv("SPINFER_WGMMA")
-    for n in (32, 64):  # by default groups of a GroupTile's 4 TCTiles, wherever the variant runs
+    for n in (1, 8, 16):  # BN <= 16 has groups of 4 only; SPINFER_WGMMA=0 is mma.sync there too
         plan = spmm_plan(enc, n)
-        assert plan["wgmma"] == (4 if plan["bulk"] and plan["lean"] and plan["bn"] >= 32 else 0), plan
+        runs = plan["bulk"] and plan["lean"] and plan["min_blocks"] == 7 and wgmma != "0"
+        assert plan["wgmma"] == (4 if runs else 0), plan
+    monkeypatch.delenv("SPINFER_WGMMA")
+    for n in (1, 8, 16, 32, 64):  # by default groups of a GroupTile's 4 TCTiles, wherever the variant runs
+        plan = spmm_plan(enc, n)
+        runs = plan["bulk"] and plan["lean"] and (plan["bn"] >= 32 or plan["min_blocks"] == 7)
+        assert plan["wgmma"] == (4 if runs else 0), plan
 
 
 def test_warp_group_mma_small_tiles(monkeypatch):
-    """SPINFER_WGMMA_SMALL=1: the sm_90 kernel at BN = 8 and 16 on wgmma (groups of 4 TCTiles),
+    """The sm_90 kernel at BN = 8 and 16 on wgmma (groups of 4 TCTiles, the default),
     with each way of finding the rows above a warp's row (the producer's count at 30% sparsity and
     at BN = 16, the row table at 60%, neither with SPINFER_ROW_TABLE=0): the float64 check holds
     and the results agree with mma.sync's, at N = 1-16 (tiles of fewer tokens than BN, whose x
     slice has rows no copy writes), split and unsplit, 2 and 3 stages, a dense GroupTile and a
     dense row, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports it only at the default
-    register budget; without the variable it stays on mma.sync."""
+    register budget; SPINFER_WGMMA_SMALL=0 keeps mma.sync."""
     for dtype in (torch.float16, torch.bfloat16):
         weights = []
         for sparsity in (0.3, 0.6):
@@ -218,10 +222,10 @@ def test_warp_group_mma_small_tiles(monkeypatch):
                         monkeypatch.delenv(env, raising=False)
                 for n in (1, 3, 8, 9, 13, 16) if wi < 2 else (1, 16):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
-                    monkeypatch.delenv("SPINFER_WGMMA_SMALL", raising=False)
+                    monkeypatch.setenv("SPINFER_WGMMA_SMALL", "0")
                     other = spmm_poisoned(x, enc, b)
                     assert spmm_plan(enc, n, dtype=dtype)["wgmma"] == 0
-                    monkeypatch.setenv("SPINFER_WGMMA_SMALL", "1")
+                    monkeypatch.delenv("SPINFER_WGMMA_SMALL")
                     y = spmm_poisoned(x, enc, b)
                     ref = x.double() @ w.double().t() + b.double()
                     assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits, table)

@@ -232,14 +232,19 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // mma.sync (0). H100, same process, least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64
   // (seventy-sixth session, docs/kernels.md), geomean x cuBLAS at 50% / 70% sparsity: mma.sync
   // 0.963 / 0.996, groups of 1 1.068 / 1.153, the ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
-  // At BN = 8 and 16 (SPINFER_WGMMA_SMALL=1; off by default until measured) groups of 4 at the
-  // default register budget, with the row count or the row table as the planner chose them.
+  // At BN = 8 and 16 groups of 4 at the default register budget, with the row count or the row
+  // table as the planner chose them. H100, same process, least of 2 rounds, 4 issue shapes x
+  // N = 1 / 8 / 16 (seventy-seventh session, docs/kernels.md), geomean x cuBLAS against mma.sync:
+  // 50% sparsity 1.418 -> 1.452, 70% 1.527 -> 1.597 (N = 16 up to +10%, N = 1 0-3%; one case of
+  // twenty-four slower, 14336x4096 N = 16 at 50%, 33.7 -> 34.8 us). SPINFER_WGMMA_SMALL=0, or
+  // SPINFER_WGMMA=0 (mma.sync everywhere), keeps mma.sync there.
   const bool wgmma_ok = p.bulk && p.lean && major == 9 && tensor_map_encoder() != nullptr;
   if (p.bn >= 32) {
     const int group = env_int("SPINFER_WGMMA", 4);
     p.wgmma = !wgmma_ok || group <= 0 ? 0 : group >= 4 ? 4 : group;  // 3: kWgRing
   } else {
-    p.wgmma = wgmma_ok && p.min_blocks == 7 && env_int("SPINFER_WGMMA_SMALL", 0) > 0 ? 4 : 0;
+    const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
+    p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);

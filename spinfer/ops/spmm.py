@@ -217,8 +217,8 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     the rows above their own from the weight's row table (``TCABME.row_offset``) instead, and
     ``wgmma``: the TCTiles of one warp-group MMA group in the sm_90 kernel at ``bn`` = 32 and 64
     (4 by default; 1, 2, or 3 for groups of 1 with one left in flight, through ``SPINFER_WGMMA``), or 0
-    where it runs ``mma.sync``; at ``bn`` = 8 and 16 it is 4 only under ``SPINFER_WGMMA_SMALL=1`` (and the
-    default register budget).
+    where it runs ``mma.sync``; at ``bn`` = 8 and 16 it is 4 at the default register budget
+    (``min_blocks`` 7) unless ``SPINFER_WGMMA_SMALL=0`` or ``SPINFER_WGMMA=0``, else 0.
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)

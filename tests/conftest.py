@@ -1,3 +1,4 @@
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _spinfer_environment_restored():
+    """Every test leaves the SPINFER_* overrides as it found them. The planner reads them at every
+    launch, so one a test left set would send every later test down another path (the loader,
+    the decode, the MMA form) while their checks, which ask the plan what ran, still passed."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("SPINFER_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("SPINFER_")}
+    assert after == before, f"the test changed the SPINFER_* environment: {before} -> {after}"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

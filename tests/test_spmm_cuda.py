@@ -141,6 +141,15 @@ def check_forced_flag(monkeypatch, env, value, w, ns, plan_flag, reported):
         monkeypatch.delenv("SPINFER_SPLITS", raising=False)
 
 
+def wgmma_can_run():
+    """Whether the sm_90 kernel's wgmma form must be what runs where the plan allows it: an sm_90
+    GPU, the bulk loader and the lean decode (no SPINFER_LOADER / SPINFER_DECODE override). The
+    warp-group tests assert it, so an override left set elsewhere cannot turn them into tests of
+    mma.sync that still pass."""
+    return (torch.cuda.get_device_capability()[0] == 9 and os.environ.get("SPINFER_LOADER") != "cp_async"
+            and os.environ.get("SPINFER_DECODE") != "safe")
+
+
 @pytest.mark.parametrize("wgmma", ["0", "1", "2", "3", "4"])
 def test_warp_group_mma_forced(monkeypatch, wgmma):
     """The sm_90 kernel at BN = 32 and 64 on wgmma, one, two or four TCTiles a group, one a group
@@ -177,6 +186,7 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
                     assert rel_err(y, other.double()) <= agree, (n, stages, splits)
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
+                    assert runs or not wgmma_can_run(), plan
                     assert plan["wgmma"] == (int(wgmma) if runs else 0), plan
     monkeypatch.delenv("SPINFER_STAGES", raising=False)
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
@@ -190,6 +200,7 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
     for n in (1, 8, 16, 32, 64):  # by default groups of a GroupTile's 4 TCTiles, wherever the variant runs
         plan = spmm_plan(enc, n)
         runs = plan["bulk"] and plan["lean"] and (plan["bn"] >= 32 or plan["min_blocks"] == 7)
+        assert runs or not wgmma_can_run(), plan
         assert plan["wgmma"] == (4 if runs else 0), plan
 
 
@@ -233,6 +244,7 @@ def test_warp_group_mma_small_tiles(monkeypatch):
                     assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits, table)
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["min_blocks"] == 7
+                    assert runs or not wgmma_can_run(), plan
                     assert plan["wgmma"] == (4 if runs else 0), plan
     for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_ROW_TABLE"):
         monkeypatch.delenv(env, raising=False)

@@ -262,7 +262,7 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
   }
 }
 
-// decode_gt for the warp-group MMA variant (kWg, BN = 32 and 64, sm_90a, lean decode): the four
+// decode_gt for the warp-group MMA variant (kWg, every BN, sm_90a, lean decode): the four
 // decoding warps are one warp group, whose TCTile rows are the 64 rows of one wgmma.m64nBNk16 per
 // TCTile, with B (the x slice, Layout's kWg layout, x_desc the low word of its descriptor) read
 // from shared memory by the tensor cores. So no warp loads B fragments (at BN = 32, 16
@@ -435,8 +435,8 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // thread issues 16-byte cp.async and groups are counted. kCount (SpmmPlan::count_rows): the
 // producer warp also counts the bitmap rows above each decoding warp's (rows_above). kTable
 // (SpmmPlan::row_table): the decoding warps read them from the weight's row table instead.
-// kWg (SpmmPlan::wgmma): the warp-group MMA variant of the lean sm_90 kernel at BN = 32 and 64
-// (decode_gt_wg), whose producer brings each stage's x slice with tensor copies through x_map
+// kWg (SpmmPlan::wgmma): the warp-group MMA variant of the lean sm_90 kernel (groups of 4 only at
+// BN = 8 and 16, where it keeps the 56-register budget; decode_gt_wg), whose producer brings each stage's x slice with tensor copies through x_map
 // (encode_x_map) in the wgmma layout (Layout); x_map is unused elsewhere.
 template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false,
           bool kTable = false, int kWg = 0>
@@ -456,7 +456,8 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
   {
     static_assert(!kCount || (kBulk && BN <= 16), "the producer counts rows for the sm_90 loader at BN <= 16");
     static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
-    static_assert(!kWg || (kBulk && kLean), "wgmma: the lean sm_90 kernel");
+    static_assert(!kWg || (kBulk && kLean && (BN >= 32 || (kWg == 4 && kMinB == 7))),
+                  "wgmma: the lean sm_90 kernel; at BN <= 16 groups of 4 at the default register budget");
     using L = Layout<BN, (kWg > 0)>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;

@@ -63,8 +63,9 @@ struct SpmmPlan {
                     // overrides there
   int wgmma;        // the warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg), as the TCTiles of one
                     // wgmma group (1, 2 or 4; 3: 1 with one group in flight, kWgRing; 0: mma.sync):
-                    // BN = 32 and 64 on sm_90 with the lean decode (spmm_smbd.cu);
-                    // SPINFER_WGMMA=0|1|2|3|4 overrides
+                    // on sm_90 with the lean decode, at BN = 8 and 16 groups of 4 at the default
+                    // register budget only (spmm_smbd.cu); SPINFER_WGMMA=0|1|2|3|4 and
+                    // SPINFER_WGMMA_SMALL=0 (mma.sync at BN <= 16) override
 };
 
 // Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:

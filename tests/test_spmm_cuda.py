@@ -253,6 +253,54 @@ def test_warp_group_mma_small_tiles(monkeypatch):
     assert all(spmm_plan(enc, n)["wgmma"] == 0 for n in (1, 8, 16))
 
 
+def test_warp_group_two_rows_forced(monkeypatch):
+    """The sm_90 wgmma kernel with two GroupTile rows a block (SPINFER_SMBD_ROWS=2, groups of 4 at
+    BN = 32 and 64), whose two warp groups share each stage's x slice: the float64 check holds and
+    the results agree with one row a block's to fp32 rounding, at odd and even counts of GroupTile rows
+    (4097 and 300 rows: the last block's second row lies past the weight; 640 and 64), split and
+    unsplit, 2 and 3 stages, a stage of a single GroupTile (1450 columns), a dense GroupTile and a
+    dense row, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports 2 rows only where the
+    variant runs, and 1 row by default."""
+    for dtype in (torch.float16, torch.bfloat16):
+        w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
+        w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
+        w[4000, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row, in the last block
+        weights = [w, random_sparse((640, 1000), 0.5, dtype, device="cuda"),
+                   random_sparse((64, 1000), 0.5, dtype, device="cuda"),
+                   random_sparse((300, 1000), 0.0, dtype, device="cuda"),
+                   random_sparse((300, 1000), 0.999, dtype, device="cuda")]
+        for wi, w in enumerate(weights):
+            enc = TCABME.from_dense(w)
+            b = torch.randn(w.shape[0], device="cuda").to(dtype)
+            for stages, splits in ((None, None), (None, "3"), ("3", None), ("3", "5")):
+                for env, value in (("SPINFER_STAGES", stages), ("SPINFER_SPLITS", splits)):
+                    if value:
+                        monkeypatch.setenv(env, value)
+                    else:
+                        monkeypatch.delenv(env, raising=False)
+                for n in (17, 32, 33, 64, 100) if wi == 0 else (20, 64):
+                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+                    monkeypatch.delenv("SPINFER_SMBD_ROWS", raising=False)
+                    other = spmm_poisoned(x, enc, b)
+                    assert spmm_plan(enc, n, dtype=dtype)["rows"] == 1
+                    monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
+                    y = spmm_poisoned(x, enc, b)
+                    ref = x.double() @ w.double().t() + b.double()
+                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits)
+                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
+                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits)
+                    plan = spmm_plan(enc, n, dtype=dtype)
+                    runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] == 4
+                    assert runs or not wgmma_can_run(), plan
+                    assert plan["rows"] == (2 if runs else 1), plan
+    for env in ("SPINFER_STAGES", "SPINFER_SPLITS"):
+        monkeypatch.delenv(env, raising=False)
+    enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
+    assert all(spmm_plan(enc, n)["rows"] == 1 for n in (1, 8, 16))  # BN <= 16: one row a block
+    monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1: one row a block
+    assert all(spmm_plan(enc, n)["rows"] == 1 for n in (32, 64))
+
+
 @pytest.mark.parametrize("x_l1", ["0", "1"])
 def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
     """The sm_90 loader's activation copies through L1 or not (SPINFER_SPMM_XL1) give the same

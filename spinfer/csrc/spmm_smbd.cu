@@ -34,7 +34,9 @@ auto by_tile(int bn, A... a) {
 }
 template <int BN>
 struct SmemF {
-  static int run(int kps, int cap, int stages, int n, bool wgmma) { return smem_bytes<BN>(kps, cap, stages, n, wgmma); }
+  static int run(int kps, int cap, int stages, int n, bool wgmma, int rows) {
+    return smem_bytes<BN>(kps, cap, stages, n, wgmma, rows);
+  }
 };
 template <int BN>
 struct LaunchF {
@@ -52,7 +54,7 @@ struct ResidentF {
 // Resident blocks per SM of a plan's kernel, from the occupancy calculator, kept per (device,
 // dtype, variant (loader, decode, row count), shared memory).
 int resident_blocks_cached(const SpmmPlan& p, bool bf16, int device) {
-  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * p.wgmma;
+  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * p.wgmma + 128 * p.rows;
   const std::array<int, 6> key{device, bf16, p.bn, variant, p.min_blocks, p.smem_bytes};
   return asked_once(key, [&] { return by_tile<ResidentF>(p.bn, &p, bf16); });
 }
@@ -86,7 +88,7 @@ template <typename Resident>
 int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, double fixed, int cap) {
   const int min_per_split = std::max(1, std::min(28, p.grid_k / 8));
   const int max_splits = std::max(1, p.grid_k / min_per_split);
-  const int64_t base = static_cast<int64_t>(p.grid_m) * p.n_tiles;
+  const int64_t base = static_cast<int64_t>((p.grid_m + p.rows - 1) / p.rows) * p.n_tiles;  // blocks a split
   const auto within_cap = [&](int kps, int splits) {
     return base * splits * 10 <= static_cast<int64_t>(std::min(cap, 10 * resident(kps))) * sms;
   };
@@ -145,7 +147,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   const int fixed = std::max(0, env_int("SPINFER_SPLIT_FIXED", 40));     // tenths of a GroupTile (A/B runs)
   const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p)));  // tenths of a block per SM
   static std::map<std::array<int, 14>, int> cache;
-  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * p.wgmma;
+  const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * p.wgmma + 128 * p.rows;
   const std::array<int, 14> key{device, bf16, p.bn, variant, p.min_blocks, p.stages, p.value_cap,
                                 p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed, cap};
   {
@@ -154,7 +156,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   }
   const auto resident = [&](int k_per_split) {
     SpmmPlan q = p;
-    q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n, p.wgmma > 0);
+    q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n, p.wgmma > 0, p.rows);
     return resident_blocks_cached(q, bf16, device);
   };
   const int splits = choose_splits(p, resident, sms, margin / 1000.0, fixed / 10.0, cap);
@@ -246,13 +248,18 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
     const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
+  // Two GroupTile rows a block (SPINFER_SMBD_ROWS=2, A/B runs and tests; wgmma groups of 4 at BN >= 32):
+  // the rows' two warp groups share one x slice a stage and one producer warp, so a row costs less
+  // shared memory at N = 17-64, where the shared memory set the resident blocks (5 a SM at N = 32,
+  // 50% sparsity), and half the x slices come from L2.
+  p.rows = p.wgmma == 4 && p.bn >= 32 && env_int("SPINFER_SMBD_ROWS", 1) == 2 ? 2 : 1;
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);
   if (splits == 0) splits = splits_cached(p, bf16, device, n, sms);
   p.k_per_split = per_split(p.grid_k, splits);
   p.splits = (p.grid_k + p.k_per_split - 1) / p.k_per_split;  // no empty splits
-  p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n, p.wgmma > 0);
+  p.smem_bytes = by_tile<SmemF>(p.bn, p.k_per_split, p.value_cap, p.stages, n, p.wgmma > 0, p.rows);
   // Activation slices through L1 (cp.async.ca, sm_90 loader) where a stage's slice, 2 x 64
   // columns x BN tokens, is at most half its compressed weight bytes (two bitmaps and two runs,
   // value_cap for the run): the blocks on an SM read the same slices, and L1 serves a block the
@@ -277,8 +284,8 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   p.stagger = staggers;
   if (const char* env = std::getenv("SPINFER_STAGGER")) p.stagger = staggers && env[0] == '1';
   if (p.splits > 1) {
-    p.counters = p.n_tiles * p.grid_m;
-    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt;
+    p.counters = p.n_tiles * ((p.grid_m + p.rows - 1) / p.rows);
+    p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt * p.rows;
   }
   return p;
 }

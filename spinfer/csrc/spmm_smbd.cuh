@@ -33,11 +33,12 @@ namespace smbd {
 
 constexpr int kGt = 64;                 // GroupTile is kGt x kGt
 constexpr int kWarps = 4;               // one decoding warp per TCTile row of the GroupTile
-// Threads per block: the decoding warps, plus on sm_90 one producer warp that issues the bulk
-// copies. With a decoding warp issuing them (~130 instructions per stage on top of its ~520)
-// the other three waited for it at every stage's barrier: ncu's largest stall.
-template <bool kBulk>
-constexpr int kThreads = 32 * (kWarps + (kBulk ? 1 : 0));
+// Threads per block: the decoding warps (kWarps for each of the block's kRows GroupTile rows), plus
+// on sm_90 one producer warp that issues the bulk copies. With a decoding warp issuing them (~130
+// instructions per stage on top of its ~520) the other three waited for it at every stage's
+// barrier: ncu's largest stall.
+template <bool kBulk, int kRows = 1>
+constexpr int kThreads = 32 * (kWarps * kRows + (kBulk ? 1 : 0));
 constexpr int kPair = 2;                // GroupTiles per pipeline stage
 constexpr int kMaxStages = 4;
 constexpr int kWordsPerGt = kGt * kGt / 64;
@@ -94,35 +95,46 @@ constexpr int kTableBytes = 8;
 // of B (rows past N that no copy writes feed only output columns that are never stored). The
 // first form, 16 copies a stage of 8 columns x the tokens each (16-byte rows, half of each 32-byte
 // L2 sector), ran 0.70x the mma.sync kernel whatever the group size (H100, 2026-12-07).
-template <int BN, bool kWg = false>
+// kRows = 2 (a block of two GroupTile rows, kWg at BN >= 32 only): a stage holds both rows' bitmaps,
+// then both rows' value buffers, then the one x slice they share; the offsets and the stage table
+// come once for each row.
+template <int BN, bool kWg = false, int kRows = 1>
 struct Layout {
-  static constexpr int kValueOffset = kPair * kBitmapBytes;
+  static constexpr int kBitmapRegion = kPair * kBitmapBytes;  // one GroupTile row's bitmaps of a stage
+  static constexpr int kValueOffset = kRows * kBitmapRegion;
   static constexpr int kXTileBytes = BN * kGt * 2;  // kWg: a GroupTile's x region
   int value_bytes, x_offset, stage_bytes, stages;
   __host__ __device__ Layout(int value_cap, int n_stages, int n)
       : value_bytes(((kPair * value_cap + kValueSlack) * 2 + 15) / 16 * 16),
-        x_offset(kWg ? (kValueOffset + value_bytes + 1023) / 1024 * 1024 : kValueOffset + value_bytes),
+        x_offset(kWg ? (kValueOffset + kRows * value_bytes + 1023) / 1024 * 1024 : kValueOffset + kRows * value_bytes),
         stage_bytes(kWg ? x_offset + kPair * kXTileBytes
                         : x_offset + (n < BN ? n : BN) * kXStride * 2),  // 272 B rows: 16-byte aligned
         stages(n_stages) {}
+  __host__ __device__ static int offsets_stride(int k_per_split) { return ((k_per_split + 1) * 4 + 15) / 16 * 16; }
+  __host__ __device__ static int pairs_stride(int k_per_split) {
+    return ((k_per_split + kPair - 1) / kPair * 8 + 15) / 16 * 16;
+  }
   __host__ __device__ int offsets_offset() const { return stages * stage_bytes; }
   __host__ __device__ int pairs_offset(int k_per_split) const {
-    return offsets_offset() + ((k_per_split + 1) * 4 + 15) / 16 * 16;
+    return offsets_offset() + kRows * offsets_stride(k_per_split);
   }
   __host__ __device__ int smem_bytes(int k_per_split) const {  // kWg: with the slack to align the base
-    return pairs_offset(k_per_split) + ((k_per_split + kPair - 1) / kPair * 8 + 15) / 16 * 16 + (kWg ? 1024 - 16 : 0);
+    return pairs_offset(k_per_split) + kRows * pairs_stride(k_per_split) + (kWg ? 1024 - 16 : 0);
   }
 };
 
-// What one block works on, derived from blockIdx: GroupTile row `row`, tokens n0 ..
-// n0+valid_rows-1, GroupTile columns g_begin .. g_begin+nk-1 (pairs (nk+1)/2 stages' worth).
+// What one block works on, derived from blockIdx: GroupTile rows `row` .. row+rows-1 (kRows of
+// them, fewer at the bottom edge), tokens n0 .. n0+valid_rows-1, GroupTile columns g_begin ..
+// g_begin+nk-1 (pairs (nk+1)/2 stages' worth).
 struct BlockWork {
-  int row, split, g_begin, nk, n0, valid_rows;
+  int row, rows, split, g_begin, nk, n0, valid_rows;
 };
 
+template <int kRows>
 __device__ __forceinline__ BlockWork block_work(const SpmmArgs& args, int bn, int grid_k, int k_per_split) {
   BlockWork b;
-  b.row = blockIdx.y;
+  b.row = blockIdx.y * kRows;
+  b.rows = kRows == 1 ? 1 : min(kRows, (args.m + kGt - 1) / kGt - b.row);
   b.split = blockIdx.z;
   b.g_begin = b.split * k_per_split;
   b.nk = max(0, min(grid_k, b.g_begin + k_per_split) - b.g_begin);
@@ -134,12 +146,20 @@ __device__ __forceinline__ BlockWork block_work(const SpmmArgs& args, int bn, in
 // The block's GroupTile offsets, loaded once so issuing a copy never waits on a dependent
 // global load. Clamped and rounded down to 16 bytes: arrays that bypassed validation can give
 // wrong results but can never send a copy outside `values`.
+// Row r of the block's offsets at s_off + r * stride (ints); a row past the weight's gets zeros
+// (empty runs, never copied).
+template <int kRows>
 __device__ __forceinline__ void load_offsets(const SpmmArgs& args, const BlockWork& b, int grid_k, int* s_off,
-                                             int tid, int threads) {
-  const int64_t first = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
-  for (int idx = tid; idx <= b.nk; idx += threads) {
-    const int64_t o = min(max(static_cast<int64_t>(args.gtile_offset[first + idx]), int64_t(0)), args.nvalues);
-    s_off[idx] = static_cast<int>(o & ~int64_t(7));
+                                             int stride, int tid, int threads) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t first = static_cast<int64_t>(b.row + r) * grid_k + b.g_begin;
+    for (int idx = tid; idx <= b.nk; idx += threads) {
+      int64_t o = 0;
+      if (kRows == 1 || r < b.rows)
+        o = min(max(static_cast<int64_t>(args.gtile_offset[first + idx]), int64_t(0)), args.nvalues);
+      (kRows == 1 ? s_off : s_off + r * stride)[idx] = static_cast<int>(o & ~int64_t(7));
+    }
   }
 }
 
@@ -439,8 +459,8 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // BN = 8 and 16, where it keeps the 56-register budget; decode_gt_wg), whose producer brings each stage's x slice with tensor copies through x_map
 // (encode_x_map) in the wgmma layout (Layout); x_map is unused elsewhere.
 template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false,
-          bool kTable = false, int kWg = 0>
-__global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
+          bool kTable = false, int kWg = 0, int kRows = 1>
+__global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
     spmm_smbd_kernel(const SpmmArgs args, const int grid_k, const int k_per_split, const int splits,
                      const int n_stages, const __grid_constant__ CUtensorMap x_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -458,7 +478,8 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
     static_assert(!kWg || (kBulk && kLean && (BN >= 32 || (kWg == 4 && kMinB == 7))),
                   "wgmma: the lean sm_90 kernel; at BN <= 16 groups of 4 at the default register budget");
-    using L = Layout<BN, (kWg > 0)>;
+    static_assert(kRows == 1 || (kRows == 2 && kWg == 4 && BN >= 32), "two GroupTile rows: wgmma groups of 4 at BN >= 32");
+    using L = Layout<BN, (kWg > 0), kRows>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;
     unsigned char* smem;
@@ -472,7 +493,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     }
     __shared__ __align__(8) uint64_t s_full[kMaxStages];  // bulk: the stage's bytes have landed
     __shared__ __align__(16) uint16_t s_table[kTable ? kMaxStages : 1][kPair * kTableBytes / 2];  // row-table entries
-    __shared__ __align__(16) uint2 s_pack[kWarps][kPair * kPackPerGt];
+    __shared__ __align__(16) uint2 s_pack[kWarps * kRows][kPair * kPackPerGt];
     // kCount: rows_above of each stage's TCTile rows, counted once by the producer warp
     __shared__ uint32_t s_above[kCount ? kMaxStages : 1][kWarps];
     __shared__ int s_is_last;
@@ -480,12 +501,15 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     // kWg: the warp index broadcast from lane 0, so ptxas knows it (and the loop the decoding warps
     // run) warp-uniform and may keep the wgmma descriptors in uniform registers.
     const int tid = threadIdx.x, warp = kWg ? __shfl_sync(kFull, tid / 32, 0) : tid / 32, lane = tid % 32;
-    const BlockWork b = block_work(args, BN, grid_k, k_per_split);
+    // A decoding warp's GroupTile row of the block (rg) and TCTile row in it (wrow).
+    const int rg = kRows == 1 ? 0 : warp / kWarps, wrow = kRows == 1 ? warp : warp % kWarps;
+    const BlockWork b = block_work<kRows>(args, BN, grid_k, k_per_split);
     const int np = (b.nk + kPair - 1) / kPair;  // stages' worth of GroupTile pairs
+    const int off_stride = L::offsets_stride(k_per_split) / 4;  // ints from one row's offsets to the next's
     int* s_off = reinterpret_cast<int*>(smem + lay.offsets_offset());
-    constexpr int kBlock = kThreads<kBulk>;
-    load_offsets(args, b, grid_k, s_off, tid, kBlock);
-    const int64_t first_gtile = static_cast<int64_t>(b.row) * grid_k + b.g_begin;
+    constexpr int kBlock = kThreads<kBulk, kRows>;
+    load_offsets<kRows>(args, b, grid_k, s_off, off_stride, tid, kBlock);
+    const int64_t first_gtile = static_cast<int64_t>(b.row) * grid_k + b.g_begin;  // row r's: r * grid_k on
 
     if constexpr (kBulk) {
       if (tid == 0) {
@@ -501,8 +525,16 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     // The stage table (stage_pair), made by the decoding warps while the producer issues its first
     // copies; the first barrier of the stage loop publishes it.
     uint2* s_pairs = reinterpret_cast<uint2*>(smem + lay.pairs_offset(k_per_split));
-    if (tid < kWarps * 32)
-      for (int q = tid; q < np; q += kWarps * 32) s_pairs[q] = stage_pair(pair_runs(s_off, b.nk, q, args.value_cap));
+    const int pairs_stride = L::pairs_stride(k_per_split) / 8;  // row r's table: r * pairs_stride entries on
+    if constexpr (kRows == 1) {
+      if (tid < kWarps * 32)
+        for (int q = tid; q < np; q += kWarps * 32) s_pairs[q] = stage_pair(pair_runs(s_off, b.nk, q, args.value_cap));
+    } else if (tid < kWarps * kRows * 32) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        for (int q = tid; q < np; q += kWarps * kRows * 32)
+          s_pairs[r * pairs_stride + q] = stage_pair(pair_runs(s_off + r * off_stride, b.nk, q, args.value_cap));
+    }
 
     // The producer warp. Bitmaps and value runs: bulk copies that lane 0 issues and counts on the
     // stage's mbarrier. The x rows: 16-byte cp.async from every lane (lane l takes chunk l % 16
@@ -550,16 +582,39 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     };
     auto issue_bulk = [&](int stage, int p, bool with_x) {
       unsigned char* st = smem + stage * lay.stage_bytes;
-      const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
-      if (lane == 0) {
-        ptx::fence_proxy_async_shared();  // the generic reads of this buffer come before the copy
-        ptx::mbarrier_arrive_expect_tx(&s_full[stage], r.gts * kBitmapBytes + r.total * 2 + x_tx);
-        ptx::cp_async_bulk_g2s(st, args.bitmap + (first_gtile + kPair * p) * kWordsPerGt, r.gts * kBitmapBytes,
-                               &s_full[stage], policy);
-        if (r.total > 0)
-          ptx::cp_async_bulk_g2s(st + L::kValueOffset,
-                                 static_cast<const char*>(args.values) + int64_t(s_off[kPair * p]) * 2, r.total * 2,
+      if constexpr (kRows == 1) {
+        const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
+        if (lane == 0) {
+          ptx::fence_proxy_async_shared();  // the generic reads of this buffer come before the copy
+          ptx::mbarrier_arrive_expect_tx(&s_full[stage], r.gts * kBitmapBytes + r.total * 2 + x_tx);
+          ptx::cp_async_bulk_g2s(st, args.bitmap + (first_gtile + kPair * p) * kWordsPerGt, r.gts * kBitmapBytes,
                                  &s_full[stage], policy);
+          if (r.total > 0)
+            ptx::cp_async_bulk_g2s(st + L::kValueOffset,
+                                   static_cast<const char*>(args.values) + int64_t(s_off[kPair * p]) * 2, r.total * 2,
+                                   &s_full[stage], policy);
+        }
+      } else if (lane == 0) {  // both rows' bitmaps and runs, counted on the one mbarrier
+        PairRuns r[kRows];
+        int bytes = x_tx;
+#pragma unroll
+        for (int q = 0; q < kRows; ++q) {
+          r[q] = pair_runs(s_off + q * off_stride, b.nk, p, args.value_cap);
+          if (q < b.rows) bytes += r[q].gts * kBitmapBytes + r[q].total * 2;
+        }
+        ptx::fence_proxy_async_shared();
+        ptx::mbarrier_arrive_expect_tx(&s_full[stage], bytes);
+#pragma unroll
+        for (int q = 0; q < kRows; ++q) {
+          if (q >= b.rows) break;  // a row past the weight's (the bottom edge): nothing to copy
+          ptx::cp_async_bulk_g2s(st + q * L::kBitmapRegion,
+                                 args.bitmap + (first_gtile + int64_t(q) * grid_k + kPair * p) * kWordsPerGt,
+                                 r[q].gts * kBitmapBytes, &s_full[stage], policy);
+          if (r[q].total > 0)
+            ptx::cp_async_bulk_g2s(st + L::kValueOffset + q * lay.value_bytes,
+                                   static_cast<const char*>(args.values) + int64_t(s_off[q * off_stride + kPair * p]) * 2,
+                                   r[q].total * 2, &s_full[stage], policy);
+        }
       }
       __syncwarp();  // the byte count is posted before any lane's arrival can complete the phase
       if (with_x) issue_x(stage, p);
@@ -609,9 +664,10 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
       for (int nb = 0; nb < BN / 8; ++nb) xa[nb] = ptx::smem_addr(st) + x_lane[nb];
       const uint32_t x_desc = kWg ? ptx::wgmma_desc_lo(ptx::smem_addr(st) + lay.x_offset, 16) : 0u;
       decode_stage<kBF16, BN, kLean, kCount, kTable, kWg>(
-          reinterpret_cast<const uint32_t*>(st), reinterpret_cast<const uint16_t*>(st + L::kValueOffset), s_pairs[p],
-          &s_above[stage][warp], ptx::smem_addr(s_table[kTable ? stage : 0]) + 2u * warp, xa, x_desc, s_pack[warp],
-          warp, lane, to_top, acc);
+          reinterpret_cast<const uint32_t*>(st + rg * L::kBitmapRegion),
+          reinterpret_cast<const uint16_t*>(st + L::kValueOffset + rg * lay.value_bytes), s_pairs[rg * pairs_stride + p],
+          &s_above[stage][wrow], ptx::smem_addr(s_table[kTable ? stage : 0]) + 2u * wrow, xa, x_desc, s_pack[warp],
+          wrow, lane, to_top, acc);
     };
 
     // Stage p is consumed while stages p+1 .. p+S-1 are in flight; the prefetch at step p
@@ -619,7 +675,7 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     // their own that meet at the same block barrier once a step (ptx::bar_sync_block, the form of
     // the barrier that may be reached from different code): one shared loop cost the decoding
     // warps the producer's test and stage bookkeeping every step.
-    const bool producer = kBulk && warp == kWarps;
+    const bool producer = kBulk && warp == kWarps * kRows;
     if constexpr (kBulk) {
       if (producer) {
         // kCount: once stage q has landed, the producer counts the set bits of its TCTile
@@ -663,10 +719,15 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
         uint32_t full = ptx::smem_addr(s_full);
         asm volatile("" : "+r"(full));  // kept in a register: rebuilt from the CTA's shared window every stage
         uint32_t parity = 0;
+        // (a warp group whose GroupTile row lies past the weight's, at the bottom edge, only meets
+        // the barriers: its accumulators stay zero and its rows are never stored)
+        const bool decodes = kRows == 1 || rg < b.rows;
         for (int p = 0, cs = 0; p < np; ++p) {
           ptx::bar_sync_block();
-          ptx::mbarrier_wait_parity(full + 8u * cs, parity);
-          compute(cs, p);
+          if (decodes) {
+            ptx::mbarrier_wait_parity(full + 8u * cs, parity);
+            compute(cs, p);
+          }
           if (++cs == S) cs = 0, parity ^= 1u;
         }
       }
@@ -698,9 +759,10 @@ __global__ void __launch_bounds__(kThreads<kBulk>, kMinB)
     const TileOut out{args.y, args.bias, args.workspace, args.counters, args.m, args.n};
     constexpr bool kVectorSum = kMinB == 0 || kMinB == 7;  // not under the 40 / 48-register caps: see store_tile
     const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-    const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * BN * kGt;
-    store_tile<kBF16, BN, kGt, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, tile, split_stride,
-                                                   b.split, splits, acc, lane, tid, &s_is_last, !producer);
+    const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * BN * kGt * kRows;
+    store_tile<kBF16, BN, kGt * kRows, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, tile,
+                                                           split_stride, b.split, splits, acc, lane, tid, &s_is_last,
+                                                           !producer);
   }
 }
 
@@ -713,9 +775,15 @@ cudaError_t encode_x_map(CUtensorMap* map, const void* x, int n, int kp, int bn,
 // Host side of one (dtype, BN) instantiation; instantiated in spmm_smbd_{fp16,bf16}.cu so the
 // two dtypes compile in parallel.
 template <int BN>
-int smem_bytes(int k_per_split, int value_cap, int stages, int n, bool wgmma) {
+int smem_bytes(int k_per_split, int value_cap, int stages, int n, bool wgmma, int rows) {
+  if (wgmma && rows == 2) return Layout<BN, true, 2>(value_cap, stages, n).smem_bytes(k_per_split);
   return wgmma ? Layout<BN, true>(value_cap, stages, n).smem_bytes(k_per_split)
                : Layout<BN>(value_cap, stages, n).smem_bytes(k_per_split);
+}
+
+// Threads a block of this plan's kernel.
+inline int block_threads(const SpmmPlan& plan) {
+  return !plan.bulk ? kThreads<false> : plan.rows == 2 ? kThreads<true, 2> : kThreads<true>;
 }
 
 // The kernel variant a plan launches.
@@ -725,7 +793,9 @@ auto kernel_for(const SpmmPlan& plan) {
   if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
   if constexpr (BN >= 32)
     if (plan.wgmma) {
-      if (plan.wgmma == 4) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;
+      if (plan.wgmma == 4)
+        return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4, 2>
+                              : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;
       if (plan.wgmma == kWgRing) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgRing>;
       if (plan.wgmma == 2) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 2>;
       return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 1>;
@@ -755,8 +825,8 @@ int resident_blocks(const SpmmPlan& plan) {
   auto kernel = kernel_for<kBF16, BN>(plan);
   int blocks = 0;
   if (allow_smem_at_least(kernel, plan.smem_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.bulk ? kThreads<true> : kThreads<false>,
-                                                    plan.smem_bytes) != cudaSuccess) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block_threads(plan), plan.smem_bytes) !=
+          cudaSuccess) {
     (void)cudaGetLastError();  // a failed query is not the caller's error; the launch reports its own
     return 0;
   }
@@ -768,7 +838,7 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
   auto kernel = kernel_for<kBF16, BN>(plan);
   cudaError_t err = allow_smem_at_least(kernel, plan.smem_bytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(plan.n_tiles, plan.grid_m, plan.splits);
+  const dim3 grid(plan.n_tiles, (plan.grid_m + plan.rows - 1) / plan.rows, plan.splits);
   // The bulk loader hints its copies itself (ptx::l2_stream_policy); the cp.async loader gets a
   // window over the values, most of the stream.
   const StreamWindow window = plan.bulk ? StreamWindow{} : stream_window(args.values, args.nvalues * 2);
@@ -777,8 +847,8 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
     err = encode_x_map(&x_map, args.x, args.n, args.kp, BN, kBF16);
     if (err != cudaSuccess) return err;
   }
-  return launch_kernel_window(kernel, grid, plan.bulk ? kThreads<true> : kThreads<false>, plan.smem_bytes, stream,
-                              plan.pdl, window, args, plan.grid_k, plan.k_per_split, plan.splits, plan.stages, x_map);
+  return launch_kernel_window(kernel, grid, block_threads(plan), plan.smem_bytes, stream, plan.pdl, window, args,
+                              plan.grid_k, plan.k_per_split, plan.splits, plan.stages, x_map);
 }
 
 #define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64)

@@ -66,6 +66,9 @@ struct SpmmPlan {
                     // on sm_90 with the lean decode, at BN = 8 and 16 groups of 4 at the default
                     // register budget only (spmm_smbd.cu); SPINFER_WGMMA=0|1|2|3|4 and
                     // SPINFER_WGMMA_SMALL=0 (mma.sync at BN <= 16) override
+  int rows;         // GroupTile rows a block: 1, or 2 (wgmma groups of 4 at BN >= 32), whose two warp
+                    // groups share the stage's x slice (spmm_smbd.cu); the launch grid has
+                    // ceil(grid_m / rows) block rows, and a split-K tile is rows x 64 outputs
 };
 
 // Tile size, split-K, pipeline depth, loader and workspace for a problem on `device` (bf16:

@@ -199,7 +199,7 @@ def entry_args(weight: TCABME, splits: int) -> tuple:
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
                "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger", "row_table",
-               "wgmma")
+               "wgmma", "rows")
 
 
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -218,7 +218,9 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     ``wgmma``: the TCTiles of one warp-group MMA group in the sm_90 kernel at ``bn`` = 32 and 64
     (4 by default; 1, 2, or 3 for groups of 1 with one left in flight, through ``SPINFER_WGMMA``), or 0
     where it runs ``mma.sync``; at ``bn`` = 8 and 16 it is 4 at the default register budget
-    (``min_blocks`` 7) unless ``SPINFER_WGMMA_SMALL=0`` or ``SPINFER_WGMMA=0``, else 0.
+    (``min_blocks`` 7) unless ``SPINFER_WGMMA_SMALL=0`` or ``SPINFER_WGMMA=0``, else 0; ``rows``: the
+    GroupTile rows a block (1, or 2 under ``SPINFER_SMBD_ROWS=2`` where wgmma runs groups of 4 at
+    ``bn`` >= 32: the two rows' warp groups share each stage's activation slice).
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)

@@ -260,7 +260,7 @@ def test_warp_group_two_rows_forced(monkeypatch):
     (4097 and 300 rows: the last block's second row lies past the weight; 640 and 64), split and
     unsplit, 2 and 3 stages, a stage of a single GroupTile (1450 columns), a dense GroupTile and a
     dense row, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports 2 rows only where the
-    variant runs, and 1 row by default."""
+    variant runs; by default it takes them where they keep more GroupTile rows resident."""
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
         w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
@@ -280,7 +280,7 @@ def test_warp_group_two_rows_forced(monkeypatch):
                         monkeypatch.delenv(env, raising=False)
                 for n in (17, 32, 33, 64, 100) if wi == 0 else (20, 64):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
-                    monkeypatch.delenv("SPINFER_SMBD_ROWS", raising=False)
+                    monkeypatch.setenv("SPINFER_SMBD_ROWS", "1")
                     other = spmm_poisoned(x, enc, b)
                     assert spmm_plan(enc, n, dtype=dtype)["rows"] == 1
                     monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
@@ -293,11 +293,24 @@ def test_warp_group_two_rows_forced(monkeypatch):
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] == 4
                     assert runs or not wgmma_can_run(), plan
                     assert plan["rows"] == (2 if runs else 1), plan
-    for env in ("SPINFER_STAGES", "SPINFER_SPLITS"):
-        monkeypatch.delenv(env, raising=False)
-    enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
-    assert all(spmm_plan(enc, n)["rows"] == 1 for n in (1, 8, 16))  # BN <= 16: one row a block
+    monkeypatch.delenv("SPINFER_STAGES", raising=False)
+    monkeypatch.setenv("SPINFER_SPLITS", "1")  # the rule compares the unsplit launches' occupancy
+    taken = set()
+    for sparsity in (0.3, 0.5, 0.7):
+        enc = TCABME.from_dense(random_sparse((4096, 4096), sparsity, torch.float16, device="cuda"))
+        for n in (1, 8, 16, 32, 64):
+            resident = {}
+            for rows in ("1", "2"):
+                monkeypatch.setenv("SPINFER_SMBD_ROWS", rows)
+                resident[rows] = spmm_plan(enc, n)["resident_blocks"]
+            monkeypatch.delenv("SPINFER_SMBD_ROWS")
+            plan = spmm_plan(enc, n)
+            runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] == 4
+            assert plan["rows"] == (2 if runs and 2 * resident["2"] > resident["1"] else 1), (sparsity, n, resident)
+            taken.add(plan["rows"])
+    assert taken == ({1, 2} if wgmma_can_run() else {1})  # the rule takes both somewhere on sm_90
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1: one row a block
+    monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
     assert all(spmm_plan(enc, n)["rows"] == 1 for n in (32, 64))
 
 

@@ -248,11 +248,25 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
     const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
-  // Two GroupTile rows a block (SPINFER_SMBD_ROWS=2, A/B runs and tests; wgmma groups of 4 at BN >= 32):
-  // the rows' two warp groups share one x slice a stage and one producer warp, so a row costs less
-  // shared memory at N = 17-64, where the shared memory set the resident blocks (5 a SM at N = 32,
-  // 50% sparsity), and half the x slices come from L2.
-  p.rows = p.wgmma == 4 && p.bn >= 32 && env_int("SPINFER_SMBD_ROWS", 1) == 2 ? 2 : 1;
+  // Two GroupTile rows a block (wgmma groups of 4 at BN >= 32): the rows' two warp groups share one x
+  // slice a stage and one producer warp, so a row costs less shared memory. Taken where that keeps
+  // more GroupTile rows resident on an SM than blocks of one row do (the occupancy calculator, at the
+  // shared memory of an unsplit launch). SPINFER_SMBD_ROWS=1|2 forces one (A/B runs and tests).
+  p.rows = 1;
+  if (p.wgmma == 4 && p.bn >= 32) {
+    const int forced_rows = env_int("SPINFER_SMBD_ROWS", 0);
+    if (forced_rows == 1 || forced_rows == 2) {
+      p.rows = forced_rows;
+    } else {
+      const auto resident_rows = [&](int rows) {
+        SpmmPlan q = p;
+        q.rows = rows;
+        q.smem_bytes = by_tile<SmemF>(p.bn, p.grid_k, p.value_cap, p.stages, n, true, rows);
+        return rows * resident_blocks_cached(q, bf16, device);
+      };
+      if (resident_rows(2) > resident_rows(1)) p.rows = 2;
+    }
+  }
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);

@@ -260,7 +260,7 @@ def test_warp_group_two_rows_forced(monkeypatch):
     (4097 and 300 rows: the last block's second row lies past the weight; 640 and 64), split and
     unsplit, 2 and 3 stages, a stage of a single GroupTile (1450 columns), a dense GroupTile and a
     dense row, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports 2 rows only where the
-    variant runs; by default it takes them where they keep more GroupTile rows resident."""
+    variant runs; by default it takes them at BN = 64 where they keep more GroupTile rows resident."""
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
         w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
@@ -294,7 +294,7 @@ def test_warp_group_two_rows_forced(monkeypatch):
                     assert runs or not wgmma_can_run(), plan
                     assert plan["rows"] == (2 if runs else 1), plan
     monkeypatch.delenv("SPINFER_STAGES", raising=False)
-    monkeypatch.setenv("SPINFER_SPLITS", "1")  # the rule compares the unsplit launches' occupancy
+    monkeypatch.setenv("SPINFER_SPLITS", "2")  # 32 GroupTiles a split, at which the rule compares occupancy
     taken = set()
     for sparsity in (0.3, 0.5, 0.7):
         enc = TCABME.from_dense(random_sparse((4096, 4096), sparsity, torch.float16, device="cuda"))
@@ -306,7 +306,8 @@ def test_warp_group_two_rows_forced(monkeypatch):
             monkeypatch.delenv("SPINFER_SMBD_ROWS")
             plan = spmm_plan(enc, n)
             runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] == 4
-            assert plan["rows"] == (2 if runs and 2 * resident["2"] > resident["1"] else 1), (sparsity, n, resident)
+            two = runs and plan["bn"] == 64 and 2 * resident["2"] > resident["1"]
+            assert plan["rows"] == (2 if two else 1), (sparsity, n, resident)
             taken.add(plan["rows"])
     assert taken == ({1, 2} if wgmma_can_run() else {1})  # the rule takes both somewhere on sm_90
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1: one row a block
@@ -471,10 +472,11 @@ def rule_splits(m, k, max_run, n, dtype, fixed=4.0, cap=None):
     whose grid has at most 4 blocks per SM and fits the resident slots, if the unsplit grid does
     (`cap`, blocks per SM, overrides the 4; 0: none). Otherwise the cost rule:
     (kps + fixed) x ceil(blocks / (resident blocks per SM x SMs)), the first least cost wins. Each
-    candidate's resident blocks come from the planner's own plan with that factor forced."""
+    candidate's resident blocks come from the planner's own plan with that factor forced; a block
+    holds the plan's GroupTile rows (1 or 2)."""
     plan = lambda splits: plan_of(m, k, max_run, n, dtype, splits)
     auto = plan(0)
-    grid_k, base = auto["grid_k"], auto["grid_m"] * auto["n_tiles"]
+    grid_k, base = auto["grid_k"], -(-auto["grid_m"] // auto["rows"]) * auto["n_tiles"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if cap is None:
         cap = 4.0 if auto["bulk"] and auto["bn"] == 8 and auto["value_cap"] >= 0.45 * 64 * 64 else 0.0

@@ -248,20 +248,26 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
     const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
-  // Two GroupTile rows a block (wgmma groups of 4 at BN >= 32): the rows' two warp groups share one x
-  // slice a stage and one producer warp, so a row costs less shared memory. Taken where that keeps
-  // more GroupTile rows resident on an SM than blocks of one row do (the occupancy calculator, at the
-  // shared memory of an unsplit launch). SPINFER_SMBD_ROWS=1|2 forces one (A/B runs and tests).
+  // Two GroupTile rows a block (wgmma groups of 4 at BN >= 32; spmm_smbd.cuh, kRows): the rows' two
+  // warp groups share one x slice a stage and one producer warp, so a row costs less shared memory
+  // (but its block more registers). Taken at BN = 64 where that keeps more GroupTile rows resident
+  // on an SM than blocks of one row do (the occupancy calculator, at a split of 32 GroupTiles, about
+  // what the split rule gives at these N): at 30% and 50% sparsity, 2 blocks of two rows against 3
+  // of one. H100, same process, least of 2 rounds, 4 issue shapes x N = 24 / 32 / 48 / 64
+  // (seventy-eighth session, docs/kernels.md): N = 48 / 64 3-8% faster at 30 and 50% (28672x8192
+  // at 50%, N = 64: 152.5 -> 142.8 us), N = 24 / 32 (BN = 32, where the rows resident went 5 -> 6 at
+  // 50%) from 1.5% slower to 1.8% faster, at 70% (rows resident level) up to 5% slower; so BN = 32
+  // keeps blocks of one row. SPINFER_SMBD_ROWS=1|2 forces one (A/B runs and tests).
   p.rows = 1;
   if (p.wgmma == 4 && p.bn >= 32) {
     const int forced_rows = env_int("SPINFER_SMBD_ROWS", 0);
     if (forced_rows == 1 || forced_rows == 2) {
       p.rows = forced_rows;
-    } else {
+    } else if (p.bn == 64) {
       const auto resident_rows = [&](int rows) {
         SpmmPlan q = p;
         q.rows = rows;
-        q.smem_bytes = by_tile<SmemF>(p.bn, p.grid_k, p.value_cap, p.stages, n, true, rows);
+        q.smem_bytes = by_tile<SmemF>(p.bn, std::min(p.grid_k, 32), p.value_cap, p.stages, n, true, rows);
         return rows * resident_blocks_cached(q, bf16, device);
       };
       if (resident_rows(2) > resident_rows(1)) p.rows = 2;

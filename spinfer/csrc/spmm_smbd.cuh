@@ -2,7 +2,9 @@
 //
 // Read top to bottom:
 //  * One thread block (4 warps) owns one GroupTile row of W (64 output features) and a tile of
-//    BN tokens, and walks a range of GroupTiles along K (all of them, or a split-K share).
+//    BN tokens, and walks a range of GroupTiles along K (all of them, or a split-K share). (On
+//    sm_90 at BN = 64 a block may own two GroupTile rows instead, two warp groups sharing each
+//    stage's x slice: kRows, SpmmPlan::rows.)
 //  * A ring of `stages` pipeline stages brings the GroupTiles to shared memory *compressed*, two
 //    consecutive GroupTiles per stage: their bitmaps (2 x 512 B), their value runs (adjacent in
 //    global memory, so one copy) and the matching 128-column slice of x. Two per stage halves
@@ -457,7 +459,12 @@ constexpr int kMinBlocks = kBulk && BN <= 16 ? 9 : 0;
 // (SpmmPlan::row_table): the decoding warps read them from the weight's row table instead.
 // kWg (SpmmPlan::wgmma): the warp-group MMA variant of the lean sm_90 kernel (groups of 4 only at
 // BN = 8 and 16, where it keeps the 56-register budget; decode_gt_wg), whose producer brings each stage's x slice with tensor copies through x_map
-// (encode_x_map) in the wgmma layout (Layout); x_map is unused elsewhere.
+// (encode_x_map) in the wgmma layout (Layout); x_map is unused elsewhere. kRows = 2
+// (SpmmPlan::rows; kWg groups of 4 at BN >= 32): the block owns GroupTile rows 2 blockIdx.y and
+// 2 blockIdx.y + 1, warps 0-3 decoding the first and 4-7 the second, each group its own wgmma on the
+// stage's one x slice; the producer copies both rows' bitmaps and runs onto the stage's one mbarrier,
+// and a block whose second row lies past the weight's leaves that warp group idle. Why and where:
+// spmm_smbd.cu.
 template <bool kBF16, int BN, bool kBulk, bool kLean, int kMinB = kMinBlocks<BN, kBulk>, bool kCount = false,
           bool kTable = false, int kWg = 0, int kRows = 1>
 __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)

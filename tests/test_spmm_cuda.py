@@ -141,6 +141,15 @@ def check_forced_flag(monkeypatch, env, value, w, ns, plan_flag, reported):
         monkeypatch.delenv("SPINFER_SPLITS", raising=False)
 
 
+def set_overrides(monkeypatch, **values):
+    """Sets SPINFER_<name> to each value given, or unsets it where the value is None."""
+    for name, value in values.items():
+        if value is None:
+            monkeypatch.delenv(f"SPINFER_{name}", raising=False)
+        else:
+            monkeypatch.setenv(f"SPINFER_{name}", value)
+
+
 def wgmma_can_run():
     """Whether the sm_90 kernel's wgmma form must be what runs where the plan allows it: an sm_90
     GPU, the bulk loader and the lean decode (no SPINFER_LOADER / SPINFER_DECODE override). The
@@ -169,11 +178,7 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
             enc = TCABME.from_dense(w)
             b = torch.randn(w.shape[0], device="cuda").to(dtype)
             for stages, splits in ((None, None), (None, "3"), ("3", None), ("3", "5")):
-                for env, value in (("SPINFER_STAGES", stages), ("SPINFER_SPLITS", splits)):
-                    if value:
-                        monkeypatch.setenv(env, value)
-                    else:
-                        monkeypatch.delenv(env, raising=False)
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
                 for n in (17, 24, 32, 33, 40, 64, 100) if wi == 0 else (20, 64):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
                     monkeypatch.setenv("SPINFER_WGMMA", "0")
@@ -225,12 +230,7 @@ def test_warp_group_mma_small_tiles(monkeypatch):
             enc = TCABME.from_dense(w)
             b = torch.randn(w.shape[0], device="cuda").to(dtype)
             for stages, splits, table in ((None, None, "1"), (None, "3", "1"), ("3", None, "1"), ("3", "5", "0")):
-                for env, value in (("SPINFER_STAGES", stages), ("SPINFER_SPLITS", splits),
-                                   ("SPINFER_ROW_TABLE", table)):
-                    if value:
-                        monkeypatch.setenv(env, value)
-                    else:
-                        monkeypatch.delenv(env, raising=False)
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits, ROW_TABLE=table)
                 for n in (1, 3, 8, 9, 13, 16) if wi < 2 else (1, 16):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
                     monkeypatch.setenv("SPINFER_WGMMA_SMALL", "0")
@@ -273,11 +273,7 @@ def test_warp_group_two_rows_forced(monkeypatch):
             enc = TCABME.from_dense(w)
             b = torch.randn(w.shape[0], device="cuda").to(dtype)
             for stages, splits in ((None, None), (None, "3"), ("3", None), ("3", "5")):
-                for env, value in (("SPINFER_STAGES", stages), ("SPINFER_SPLITS", splits)):
-                    if value:
-                        monkeypatch.setenv(env, value)
-                    else:
-                        monkeypatch.delenv(env, raising=False)
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
                 for n in (17, 32, 33, 64, 100) if wi == 0 else (20, 64):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
                     monkeypatch.setenv("SPINFER_SMBD_ROWS", "1")

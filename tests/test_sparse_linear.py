@@ -1,6 +1,8 @@
 """SparseLinear (storage, dispatch, persistence, module behaviour) and whole-model sparsify."""
 
+import dataclasses
 import io
+import types
 
 import pytest
 import torch
@@ -826,14 +828,14 @@ def test_dense_sparsity_counts_positive_zeros_only():
 
 
 def test_decode_dense_model_counts_one_chained_launch_and_l2_reuse():
-    """decode+dense is the decode's stream and launch, then the dense stream behind it for
+    """decode+dense is the decode's stream and fixed cost, then the dense stream behind it for
     chain_launch, less what of a decoded weight smaller than L2 is read back from L2."""
     prof = P.DeviceProfile()
     wb = 10 << 20
     for m, k in [(4096, 4096), (16384, 8192)]:
         decoded = 2 * m * k
         no_reuse = P.DeviceProfile(l2_reuse=0.0)
-        base = (wb + decoded) / prof.decode_bandwidth + prof.launch + (decoded + 2 * (m + k)) / prof.dense_bandwidth
+        base = (wb + decoded) / prof.decode_bandwidth + prof.decode_launch + (decoded + 2 * (m + k)) / prof.dense_bandwidth
         assert P.predict(P.DECODE_DENSE, m, k, 1, wb, no_reuse) == pytest.approx(base + prof.chain_launch)
         saved = P.predict(P.DECODE_DENSE, m, k, 1, wb, no_reuse) - P.predict(P.DECODE_DENSE, m, k, 1, wb, prof)
         expect = prof.l2_reuse * decoded * max(0.0, 1 - decoded / prof.l2_bytes) / prof.dense_bandwidth
@@ -841,6 +843,46 @@ def test_decode_dense_model_counts_one_chained_launch_and_l2_reuse():
         assert (saved > 0) == (decoded < prof.l2_bytes)  # 33.5 MB decoded fits an H100's L2; 268 MB does not
     # a low-bit layer above fused_max_n is predicted as the same decode + dense
     assert P.predict(P.LOWBIT, 4096, 4096, 1024, wb, prof, bits=4) == P.predict(P.DECODE_DENSE, 4096, 4096, 1024, wb, prof)
+
+
+def test_spmm_model_by_token_tile():
+    """SpMM is its token tile's fixed cost plus the larger of the bytes' stream and the GroupTiles'
+    decode at that tile; past 64 tokens each further tile of 64 costs spmm_tile_reuse of the first's
+    GroupTile term."""
+    prof = P.DeviceProfile()
+    m, k, wb, ngt = 28672, 8192, 10 << 20, 57344  # few bytes: the decode term decides
+    for n, bn in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)):
+        assert P.predict(P.SPMM, m, k, n, wb, prof, ngt) == pytest.approx(prof.spmm_fixed[bn] + ngt * prof.gt_cost[bn])
+    for n, tiles in ((65, 2), (128, 2), (129, 3), (1024, 16)):
+        expect = prof.spmm_fixed[64] + ngt * prof.gt_cost[64] * (1 + prof.spmm_tile_reuse * (tiles - 1))
+        assert P.predict(P.SPMM, m, k, n, wb, prof, ngt) == pytest.approx(expect)
+    big = 10 << 30  # bytes that take longer than the decode
+    assert P.predict(P.SPMM, m, k, 1, big, prof, ngt) == pytest.approx(
+        prof.spmm_fixed[8] + (big + 2 * (m + k)) / prof.sparse_bandwidth)
+    # the fixed cost grows with the tile, as measured (larger x slices and partial tiles)
+    assert [prof.spmm_fixed[b] for b in (8, 16, 32, 64)] == sorted(prof.spmm_fixed[b] for b in (8, 16, 32, 64))
+
+
+def test_a_profile_stored_by_another_model_is_not_used(monkeypatch, tmp_path):
+    """A calibration cached under other constants (an earlier model's spmm_launch, no spmm_fixed) is
+    left alone: the defaults describe the device until calibrate() runs again."""
+    from spinfer.cache import write_entry
+
+    monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(P, "_PROFILES", {})
+    monkeypatch.setattr(P, "device_key", lambda device: "gpu-x")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    stale = {k: v for k, v in dataclasses.asdict(P.DeviceProfile()).items() if k not in ("spmm_fixed", "decode_launch")}
+    stale.update(spmm_launch=8.7e-6, dense_bandwidth=1.0e12)
+    write_entry(P._PROFILE_FILE, "gpu-x", stale)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(L2_cache_size=1 << 20))
+    prof = P.profile_for(torch.device("cuda"))
+    assert prof.dense_bandwidth == P.DeviceProfile().dense_bandwidth and not prof.measured
+    current = dataclasses.asdict(P.DeviceProfile(dense_bandwidth=1.5e12, measured=True))
+    write_entry(P._PROFILE_FILE, "gpu-x", current)
+    monkeypatch.setattr(P, "_PROFILES", {})
+    prof = P.profile_for(torch.device("cuda"))
+    assert prof.dense_bandwidth == 1.5e12 and prof.measured and prof.spmm_fixed == P.DeviceProfile().spmm_fixed
 
 
 @pytest.mark.cuda

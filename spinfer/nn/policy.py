@@ -11,7 +11,7 @@ under the user's cache folder.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, Optional
 
 import torch
@@ -56,17 +56,25 @@ class DeviceProfile:
     sparse_bandwidth: float = 2.60e12
     tensor_flops: float = 7.4e14  # dense fp16 FLOP/s at large N
     launch: float = 4.8e-6  # fixed cost per kernel call (a 64x64 F.linear)
-    # The SMBD kernel's fixed cost (launch, pipeline fill and the split-K reduction): the
-    # intercept of its N = 1 time against bytes through 4096x4096 and 16384x8192 at 50%; and its
-    # decode cost per GroupTile (64x64) on the whole GPU by token tile BN (N > 64 pays the BN=64
-    # cost once per 64 tokens): the large layer's time above the fixed cost per GroupTile. The
-    # fixed cost decides small layers for dense (1024x4096: 11 us as SpMM, 9.8 dense).
-    spmm_launch: float = 8.7e-6
-    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.77e-9, 16: 1.88e-9, 32: 2.50e-9, 64: 3.41e-9})
+    # The SMBD kernel by token tile BN: its fixed cost (launch, pipeline fill, the split-K
+    # reduction; larger with the tile) and its decode cost per GroupTile (64x64) on the whole GPU:
+    # the intercept and the slope of its time against GroupTiles through 4096x4096 and 16384x8192
+    # at 50%, at N = BN. The fixed cost decides small layers for dense (1024x4096: 11 us as SpMM,
+    # 9.8 dense). N > 64 runs ceil(N / 64) tiles of 64 tokens, each past the first costing
+    # spmm_tile_reuse of the first's GroupTile term: the tiles' blocks of one row block run side
+    # by side, and the weight the first reads is read again from L2 (the large layer at N = 128).
+    spmm_fixed: Dict[int, float] = field(default_factory=lambda: {8: 8.6e-6, 16: 9.3e-6, 32: 12.7e-6, 64: 14.4e-6})
+    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.59e-9, 16: 1.67e-9, 32: 1.85e-9, 64: 2.25e-9})
+    spmm_tile_reuse: float = 0.85
     # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call:
     # the CUDA decode kernels on H100 (`spinfer bench to_dense`, 2026-11-23): 2.57-2.88 TB/s for
     # TCA-BME at 30-70%, 2.7-2.96 for low-bit. (The torch-op decoders before: 0.14 TB/s.)
     decode_bandwidth: float = 2.76e12
+    # The decode kernel's fixed cost: the intercept of its time against bytes through 4096x4096
+    # and 16384x8192 at 50% (a few us above a 64x64 F.linear's launch: small layers' decodes do
+    # not reach the bandwidth, and 1024x4096's decode+dense ran 2-4 us over the model that charged
+    # `launch`).
+    decode_launch: float = 6.7e-6
     # Decode+dense is two kernels back to back in one call. The second one's launch hides behind
     # the first's tail, so it costs chain_launch, not launch: the large layer's decode+dense time
     # less the model's decode and dense terms (16384x8192 at 50%, H100, 2026-11-23: 255.4 us
@@ -87,11 +95,15 @@ class DeviceProfile:
     lowbit_n_scale: float = 22.0
     measured: bool = False
 
+    @staticmethod
+    def token_tile(n: int) -> int:
+        """The SMBD kernel's token tile BN at n tokens (spmm_smbd.cu's planner)."""
+        return 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64
+
     def gt_time(self, n: int) -> float:
-        if n <= 64:
-            bn = 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64
-            return self.gt_cost[bn]
-        return self.gt_cost[64] * math.ceil(n / 64)
+        """Seconds per GroupTile of the SMBD kernel's decode term at n tokens."""
+        tiles = 1 if n <= 64 else math.ceil(n / 64)
+        return self.gt_cost[self.token_tile(n)] * (1 + self.spmm_tile_reuse * (tiles - 1))
 
 
 def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: DeviceProfile,
@@ -104,7 +116,7 @@ def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: Dev
         return dense
     if kernel == SPMM:
         return (max((weight_bytes + io) / profile.sparse_bandwidth, num_group_tiles * profile.gt_time(n))
-                + profile.spmm_launch)
+                + profile.spmm_fixed[profile.token_tile(n)])
     decode_dense = _decode_then_dense(m, k, weight_bytes, io, dense_compute, profile)
     if kernel == DECODE_DENSE:
         return decode_dense
@@ -123,7 +135,7 @@ def _decode_then_dense(m: int, k: int, weight_bytes: int, io: int, dense_compute
     behind (chain_launch), reading back from L2 what of the decoded weight stayed there."""
     decoded = 2 * m * k
     reused = profile.l2_reuse * decoded * max(0.0, 1.0 - decoded / profile.l2_bytes)
-    decode = (weight_bytes + decoded) / profile.decode_bandwidth + profile.launch
+    decode = (weight_bytes + decoded) / profile.decode_bandwidth + profile.decode_launch
     return decode + max((decoded - reused + io) / profile.dense_bandwidth, dense_compute) + profile.chain_launch
 
 
@@ -144,8 +156,10 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     if key in _PROFILES:
         return _PROFILES[key]
     stored = read_entry(_PROFILE_FILE, key)
-    if stored:
-        stored["gt_cost"] = {int(b): v for b, v in stored["gt_cost"].items()}
+    # a profile another version of the model stored (other constants) is not used: the defaults are
+    if stored and set(stored) == {f.name for f in fields(DeviceProfile)}:
+        for name in ("gt_cost", "spmm_fixed"):
+            stored[name] = {int(b): v for b, v in stored[name].items()}
         _PROFILES[key] = DeviceProfile(**stored)
     else:
         l2 = getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0)
@@ -175,27 +189,36 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     w[torch.rand(m, k, device=dev) < 0.5] = 0
     enc = TCABME.from_dense(w)
     ngt, large_bytes = enc.geometry.num_group_tiles, enc.storage_bytes().total
-    # The SpMM fixed cost is the intercept at zero bytes of the line through two 50% layers'
-    # times at N = 1, 4096x4096 and the large one. (A 1024x4096 layer's own time, used before,
-    # overstated it: its few blocks stream slowly, and 4096x4096 stayed dense where SpMM is 10%
-    # faster on H100.)
+    # Each token tile's SpMM fixed cost and per-GroupTile cost: the intercept and the slope of the
+    # line through two 50% layers' times at N = BN, 4096x4096 and the large one. (A 1024x4096
+    # layer's own time, used for the fixed cost before, overstated it: its few blocks stream
+    # slowly, and 4096x4096 stayed dense where SpMM is 10% faster on H100.)
     small = torch.randn(4096, 4096, device=dev).half()
     small[torch.rand(4096, 4096, device=dev) < 0.5] = 0
-    small_enc, xs = TCABME.from_dense(small), torch.randn(1, 4096, device=dev).half()
-    t_small = median_time(lambda: spmm(xs, small_enc), dev, reps=30)
-    t_large = median_time(lambda: spmm(x1, enc), dev, reps=20)
-    small_bytes = small_enc.storage_bytes().total
-    slope = (t_large - t_small) / (large_bytes - small_bytes)
-    spmm_launch = max(t_small - slope * small_bytes, 0.0)
-    gt_cost = {}
+    small_enc = TCABME.from_dense(small)
+    small_ngt, small_bytes = small_enc.geometry.num_group_tiles, small_enc.storage_bytes().total
+    xs = torch.randn(1, 4096, device=dev).half()
+    spmm_fixed, gt_cost = {}, {}
     for bn in (8, 16, 32, 64):
-        xb = torch.randn(bn, k, device=dev).half()
-        gt_cost[bn] = max(median_time(lambda: spmm(xb, enc), dev, reps=20) - spmm_launch, 0.0) / ngt
+        xb, xbs = torch.randn(bn, k, device=dev).half(), torch.randn(bn, 4096, device=dev).half()
+        t_large = median_time(lambda: spmm(xb, enc), dev, reps=20)
+        t_small = median_time(lambda: spmm(xbs, small_enc), dev, reps=30)
+        gt_cost[bn] = max((t_large - t_small) / (ngt - small_ngt), 0.0)
+        spmm_fixed[bn] = max(t_small - gt_cost[bn] * small_ngt, 0.0)
+    x128 = torch.randn(128, k, device=dev).half()
+    t128 = median_time(lambda: spmm(x128, enc), dev, reps=10)
+    tile_reuse = (t128 - spmm_fixed[64] - gt_cost[64] * ngt) / (gt_cost[64] * ngt) if gt_cost[64] > 0 else 1.0
+    # the decode kernel: bandwidth and fixed cost from the same two layers
     td = median_time(enc.to_dense, dev, reps=5)
+    td_small = median_time(small_enc.to_dense, dev, reps=20)
+    decoded_large, decoded_small = large_bytes + 2 * m * k, small_bytes + 2 * 4096 * 4096
+    decode_bw = (decoded_large - decoded_small) / max(td - td_small, 1e-9)
+    decode_launch = max(td_small - decoded_small / decode_bw, 0.0)
     prof = DeviceProfile(name=torch.cuda.get_device_name(dev), dense_bandwidth=dense_bw,
                          sparse_bandwidth=large_bytes / (gt_cost[8] * ngt), tensor_flops=flops,
-                         launch=launch, spmm_launch=spmm_launch, gt_cost=gt_cost,
-                         decode_bandwidth=(large_bytes + 2 * m * k) / td,
+                         launch=launch, spmm_fixed=spmm_fixed, gt_cost=gt_cost,
+                         spmm_tile_reuse=min(max(tile_reuse, 0.0), 1.0), decode_bandwidth=decode_bw,
+                         decode_launch=decode_launch,
                          l2_bytes=float(torch.cuda.get_device_properties(dev).L2_cache_size), measured=True)
     # Decode+dense as one call: chain_launch from the large layer (decoded far past L2), then
     # l2_reuse from the small one (decoded 33.5 MB: below an H100's 50 MB L2, not on every GPU).

@@ -847,14 +847,13 @@ def test_decode_dense_model_counts_one_chained_launch_and_l2_reuse():
 
 def test_spmm_model_by_token_tile():
     """SpMM is its token tile's fixed cost plus the larger of the bytes' stream and the GroupTiles'
-    decode at that tile; past 64 tokens each further tile of 64 costs spmm_tile_reuse of the first's
-    GroupTile term."""
+    decode at that tile; past 64 tokens each tile of 64 pays the BN = 64 decode term again."""
     prof = P.DeviceProfile()
     m, k, wb, ngt = 28672, 8192, 10 << 20, 57344  # few bytes: the decode term decides
     for n, bn in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)):
         assert P.predict(P.SPMM, m, k, n, wb, prof, ngt) == pytest.approx(prof.spmm_fixed[bn] + ngt * prof.gt_cost[bn])
     for n, tiles in ((65, 2), (128, 2), (129, 3), (1024, 16)):
-        expect = prof.spmm_fixed[64] + ngt * prof.gt_cost[64] * (1 + prof.spmm_tile_reuse * (tiles - 1))
+        expect = prof.spmm_fixed[64] + ngt * prof.gt_cost[64] * tiles
         assert P.predict(P.SPMM, m, k, n, wb, prof, ngt) == pytest.approx(expect)
     big = 10 << 30  # bytes that take longer than the decode
     assert P.predict(P.SPMM, m, k, 1, big, prof, ngt) == pytest.approx(

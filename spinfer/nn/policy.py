@@ -44,49 +44,46 @@ def n_bucket(n: int) -> int:
 class DeviceProfile:
     """Device constants of the cost model (seconds, bytes/s, FLOP/s)."""
 
-    name: str = "NVIDIA H100 80GB HBM3 (defaults measured 2026-11-23)"
-    # The defaults are calibrate() on an H100 80GB HBM3 with the SMBD kernel v11 and the CUDA
-    # decode kernels (docs/policy.md, eighteenth session; the v10 constants of the fifteenth
-    # session differ by up to 7%: gt_cost[64] 3.65 -> 3.41 ns, which moved SpMM's predicted time
-    # at N = 128 enough to pick decode+dense where SpMM was 13-21% faster). Before v10, they were
-    # fitted to kernel v7, and kept 4096x4096 and 6144x4096 layers dense where SpMM is 10% faster.
-    dense_bandwidth: float = 2.77e12  # bytes/s cuBLAS streams a dense fp16 weight at
-    # bytes/s the SMBD kernel reaches when bytes dominate (the large layer's bytes over its time
-    # above the fixed cost, at 50%)
-    sparse_bandwidth: float = 2.60e12
-    tensor_flops: float = 7.4e14  # dense fp16 FLOP/s at large N
-    launch: float = 4.8e-6  # fixed cost per kernel call (a 64x64 F.linear)
+    name: str = "NVIDIA H100 80GB HBM3 (defaults measured 2026-12-07)"
+    # The defaults are calibrate() on an H100 80GB HBM3 with the SMBD kernel v19 and the CUDA
+    # decode kernels, rounded (docs/policy.md, seventy-eighth session). Those of SMBD v11
+    # (eighteenth session) overstated SpMM by 30-40% at N = 17-128 once the kernel ran on wgmma:
+    # 135 of 144 cases picked the fastest kernel, the worst 1.21x slow. Before v10 the constants
+    # were fitted to kernel v7, and kept 4096x4096 and 6144x4096 layers dense where SpMM is 10% faster.
+    dense_bandwidth: float = 2.95e12  # bytes/s cuBLAS streams a dense fp16 weight at
+    # bytes/s the SMBD kernel reaches when bytes dominate (the large layer's bytes over its
+    # GroupTile term at BN = 8, at 50%)
+    sparse_bandwidth: float = 3.0e12
+    tensor_flops: float = 7.65e14  # dense fp16 FLOP/s at large N
+    launch: float = 4.4e-6  # fixed cost per kernel call (a 64x64 F.linear)
     # The SMBD kernel by token tile BN: its fixed cost (launch, pipeline fill, the split-K
     # reduction; larger with the tile) and its decode cost per GroupTile (64x64) on the whole GPU:
     # the intercept and the slope of its time against GroupTiles through 4096x4096 and 16384x8192
-    # at 50%, at N = BN. The fixed cost decides small layers for dense (1024x4096: 11 us as SpMM,
-    # 9.8 dense). N > 64 runs ceil(N / 64) tiles of 64 tokens, each past the first costing
-    # spmm_tile_reuse of the first's GroupTile term: the tiles' blocks of one row block run side
-    # by side, and the weight the first reads is read again from L2 (the large layer at N = 128).
-    spmm_fixed: Dict[int, float] = field(default_factory=lambda: {8: 8.6e-6, 16: 9.3e-6, 32: 12.7e-6, 64: 14.4e-6})
-    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.59e-9, 16: 1.67e-9, 32: 1.85e-9, 64: 2.25e-9})
-    spmm_tile_reuse: float = 0.85
-    # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call:
-    # the CUDA decode kernels on H100 (`spinfer bench to_dense`, 2026-11-23): 2.57-2.88 TB/s for
-    # TCA-BME at 30-70%, 2.7-2.96 for low-bit. (The torch-op decoders before: 0.14 TB/s.)
-    decode_bandwidth: float = 2.76e12
-    # The decode kernel's fixed cost: the intercept of its time against bytes through 4096x4096
-    # and 16384x8192 at 50% (a few us above a 64x64 F.linear's launch: small layers' decodes do
-    # not reach the bandwidth, and 1024x4096's decode+dense ran 2-4 us over the model that charged
-    # `launch`).
-    decode_launch: float = 6.7e-6
-    # Decode+dense is two kernels back to back in one call. The second one's launch hides behind
-    # the first's tail, so it costs chain_launch, not launch: the large layer's decode+dense time
-    # less the model's decode and dense terms (16384x8192 at 50%, H100, 2026-11-23: 255.4 us
-    # measured, 253.8 us without this term). And the decoded weight was just written, so when it is
-    # smaller than L2 part of it is read back from L2: the dense term reads
-    # D - l2_reuse * D * (1 - D / l2_bytes) bytes from HBM (none past l2_bytes, most at half of it);
-    # l2_reuse from 4096x4096 at 50% (33.5 MB decoded, 34.8 us measured, 2.7 us under the term
-    # without reuse). Without them the model kept SpMM at N = 128 on 1024-4096-row layers where
-    # decode+dense was 3-15% faster (docs/policy.md, nineteenth session).
-    chain_launch: float = 1.6e-6
+    # at 50%, at N = BN (N > 64 pays the BN = 64 slope once per 64 tokens). The fixed cost decides
+    # small layers for dense (1024x4096: 10.5-11.6 us as SpMM, 9.6 dense). A single fixed cost for
+    # every tile (the intercept at N = 1) and the slopes of SMBD v11 left the policy 1.21x slow
+    # on kernel v19 (docs/policy.md, seventy-eighth session).
+    spmm_fixed: Dict[int, float] = field(default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6})
+    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9})
+    # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call,
+    # and the decode kernel's fixed cost: the slope and the intercept of its time against bytes
+    # through 4096x4096 and 16384x8192 at 50% (the CUDA decode kernels on H100, `spinfer bench
+    # to_dense`, 2026-11-23: 2.57-2.88 TB/s for TCA-BME at 30-70%, 2.7-2.96 for low-bit; the
+    # torch-op decoders before: 0.14 TB/s). Until the seventy-eighth session the decode was
+    # charged a 64x64 F.linear's launch.
+    decode_bandwidth: float = 2.84e12
+    decode_launch: float = 2.8e-6
+    # Decode+dense is two kernels back to back in one call: chain_launch is the large layer's
+    # decode+dense time less the model's decode and dense terms (16384x8192 at 50%; 1.6 us on
+    # 2026-11-23 when the decode was charged a launch, 8.0 us against the decode's intercept now).
+    # And the decoded weight was just written, so when it is smaller than L2 part of it is read
+    # back from L2: the dense term reads D - l2_reuse * D * (1 - D / l2_bytes) bytes from HBM (none
+    # past l2_bytes, most at half of it); l2_reuse from 4096x4096 at 50% (33.5 MB decoded), which
+    # now reaches its bound of 1. Without them the model kept SpMM at N = 128 on 1024-4096-row
+    # layers where decode+dense was 3-15% faster (docs/policy.md, nineteenth session).
+    chain_launch: float = 8.0e-6
     l2_bytes: float = 52428800.0  # the H100's L2 (torch's L2_cache_size); calibrate() reads the device's
-    l2_reuse: float = 0.62
+    l2_reuse: float = 1.0
     # The fused low-bit kernel: bytes/s of its packed weight at N = 1, and the token count that
     # doubles its time (fitted to bench_lowbit on H100, 2026-11-22 after the warp-group change:
     # 28672x8192 4-bit 58 / 96 / 121 / 221 us at N = 1 / 16 / 32 / 64; the fit gives 57 / 91 /
@@ -102,8 +99,7 @@ class DeviceProfile:
 
     def gt_time(self, n: int) -> float:
         """Seconds per GroupTile of the SMBD kernel's decode term at n tokens."""
-        tiles = 1 if n <= 64 else math.ceil(n / 64)
-        return self.gt_cost[self.token_tile(n)] * (1 + self.spmm_tile_reuse * (tiles - 1))
+        return self.gt_cost[self.token_tile(n)] * (1 if n <= 64 else math.ceil(n / 64))
 
 
 def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: DeviceProfile,
@@ -205,9 +201,6 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
         t_small = median_time(lambda: spmm(xbs, small_enc), dev, reps=30)
         gt_cost[bn] = max((t_large - t_small) / (ngt - small_ngt), 0.0)
         spmm_fixed[bn] = max(t_small - gt_cost[bn] * small_ngt, 0.0)
-    x128 = torch.randn(128, k, device=dev).half()
-    t128 = median_time(lambda: spmm(x128, enc), dev, reps=10)
-    tile_reuse = (t128 - spmm_fixed[64] - gt_cost[64] * ngt) / (gt_cost[64] * ngt) if gt_cost[64] > 0 else 1.0
     # the decode kernel: bandwidth and fixed cost from the same two layers
     td = median_time(enc.to_dense, dev, reps=5)
     td_small = median_time(small_enc.to_dense, dev, reps=20)
@@ -216,8 +209,7 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     decode_launch = max(td_small - decoded_small / decode_bw, 0.0)
     prof = DeviceProfile(name=torch.cuda.get_device_name(dev), dense_bandwidth=dense_bw,
                          sparse_bandwidth=large_bytes / (gt_cost[8] * ngt), tensor_flops=flops,
-                         launch=launch, spmm_fixed=spmm_fixed, gt_cost=gt_cost,
-                         spmm_tile_reuse=min(max(tile_reuse, 0.0), 1.0), decode_bandwidth=decode_bw,
+                         launch=launch, spmm_fixed=spmm_fixed, gt_cost=gt_cost, decode_bandwidth=decode_bw,
                          decode_launch=decode_launch,
                          l2_bytes=float(torch.cuda.get_device_properties(dev).L2_cache_size), measured=True)
     # Decode+dense as one call: chain_launch from the large layer (decoded far past L2), then

@@ -3,9 +3,9 @@
 A cost model predicts each candidate's time from the layer's real bytes and a few device
 constants. The SMBD kernel is not bandwidth-bound (docs/kernels.md): its time is the larger of
 the bytes over the copy bandwidth and a per-GroupTile decode cost that grows with the token tile,
-and both terms are in the model. The default constants are the H100 80GB HBM3 figures measured
-on 2026-11-22; :func:`calibrate` re-measures them on the current GPU and caches them per device
-under the user's cache folder.
+and both terms are in the model, with a fixed cost per token tile. The default constants are the
+H100 80GB HBM3 figures measured on 2026-12-07 (SMBD v19); :func:`calibrate` re-measures them on the
+current GPU and caches them per device under the user's cache folder.
 """
 
 from __future__ import annotations

@@ -150,6 +150,21 @@ def set_overrides(monkeypatch, **values):
             monkeypatch.setenv(f"SPINFER_{name}", value)
 
 
+# (SPINFER_STAGES, SPINFER_SPLITS) of the forced-variant tests: the defaults, split, 3 stages, both
+STAGES_SPLITS = ((None, None), (None, "3"), ("3", None), ("3", "5"))
+
+
+def wide_tile_weights(dtype, dense_row, extra=()):
+    """The weights of the forced-variant tests at BN >= 32: 4097x1450 at 60% (23 GroupTiles, so a
+    stage of a single one) with a dense GroupTile and a dense row `dense_row`, the `extra` shapes
+    at 50%, and 300x1000 at 0% and 99.9%."""
+    w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
+    w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
+    w[dense_row, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
+    return [w, *(random_sparse(shape, 0.5, dtype, device="cuda") for shape in extra),
+            random_sparse((300, 1000), 0.0, dtype, device="cuda"), random_sparse((300, 1000), 0.999, dtype, device="cuda")]
+
+
 def wgmma_can_run():
     """Whether the sm_90 kernel's wgmma form must be what runs where the plan allows it: an sm_90
     GPU, the bulk loader and the lean decode (no SPINFER_LOADER / SPINFER_DECODE override). The
@@ -169,15 +184,10 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
     sparse ones, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports it where it runs
     (the lean sm_90 kernel at BN >= 32) and nowhere else."""
     for dtype in (torch.float16, torch.bfloat16):
-        w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
-        w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
-        w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
-        weights = [w, random_sparse((300, 1000), 0.0, dtype, device="cuda"),
-                   random_sparse((300, 1000), 0.999, dtype, device="cuda")]
-        for wi, w in enumerate(weights):
+        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=200)):
             enc = TCABME.from_dense(w)
             b = torch.randn(w.shape[0], device="cuda").to(dtype)
-            for stages, splits in ((None, None), (None, "3"), ("3", None), ("3", "5")):
+            for stages, splits in STAGES_SPLITS:
                 set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
                 for n in (17, 24, 32, 33, 40, 64, 100) if wi == 0 else (20, 64):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
@@ -262,17 +272,11 @@ def test_warp_group_two_rows_forced(monkeypatch):
     dense row, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports 2 rows only where the
     variant runs; by default it takes them at BN = 64 where they keep more GroupTile rows resident."""
     for dtype in (torch.float16, torch.bfloat16):
-        w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
-        w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
-        w[4000, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row, in the last block
-        weights = [w, random_sparse((640, 1000), 0.5, dtype, device="cuda"),
-                   random_sparse((64, 1000), 0.5, dtype, device="cuda"),
-                   random_sparse((300, 1000), 0.0, dtype, device="cuda"),
-                   random_sparse((300, 1000), 0.999, dtype, device="cuda")]
-        for wi, w in enumerate(weights):
+        # the dense row in the last block (whose second GroupTile row lies past the weight)
+        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=4000, extra=((640, 1000), (64, 1000)))):
             enc = TCABME.from_dense(w)
             b = torch.randn(w.shape[0], device="cuda").to(dtype)
-            for stages, splits in ((None, None), (None, "3"), ("3", None), ("3", "5")):
+            for stages, splits in STAGES_SPLITS:
                 set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
                 for n in (17, 32, 33, 64, 100) if wi == 0 else (20, 64):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)

@@ -152,7 +152,8 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     if key in _PROFILES:
         return _PROFILES[key]
     stored = read_entry(_PROFILE_FILE, key)
-    # a profile another version of the model stored (other constants) is not used: the defaults are
+    # a profile that another version of the model stored (other constants) is not used: the defaults
+    # stand until calibrate() runs again
     if stored and set(stored) == {f.name for f in fields(DeviceProfile)}:
         for name in ("gt_cost", "spmm_fixed"):
             stored[name] = {int(b): v for b, v in stored[name].items()}

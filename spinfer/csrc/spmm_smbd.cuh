@@ -149,7 +149,9 @@ __device__ __forceinline__ BlockWork block_work(const SpmmArgs& args, int bn, in
 // global load. Clamped and rounded down to 16 bytes: arrays that bypassed validation can give
 // wrong results but can never send a copy outside `values`.
 // Row r of the block's offsets at s_off + r * stride (ints); a row past the weight's gets zeros
-// (empty runs, never copied).
+// (empty runs, never copied). The kRows == 1 forms here, in the stage table and in issue_bulk keep
+// the one-row kernels' code as it was before two-row blocks: the general forms moved the BN = 8
+// stage by 3 instructions (sm_90a SASS, seventy-eighth session).
 template <int kRows>
 __device__ __forceinline__ void load_offsets(const SpmmArgs& args, const BlockWork& b, int grid_k, int* s_off,
                                              int stride, int tid, int threads) {
@@ -533,7 +535,7 @@ __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
     // copies; the first barrier of the stage loop publishes it.
     uint2* s_pairs = reinterpret_cast<uint2*>(smem + lay.pairs_offset(k_per_split));
     const int pairs_stride = L::pairs_stride(k_per_split) / 8;  // row r's table: r * pairs_stride entries on
-    if constexpr (kRows == 1) {
+    if constexpr (kRows == 1) {  // (the one-row form: see load_offsets)
       if (tid < kWarps * 32)
         for (int q = tid; q < np; q += kWarps * 32) s_pairs[q] = stage_pair(pair_runs(s_off, b.nk, q, args.value_cap));
     } else if (tid < kWarps * kRows * 32) {
@@ -589,7 +591,7 @@ __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
     };
     auto issue_bulk = [&](int stage, int p, bool with_x) {
       unsigned char* st = smem + stage * lay.stage_bytes;
-      if constexpr (kRows == 1) {
+      if constexpr (kRows == 1) {  // (the one-row form: see load_offsets)
         const PairRuns r = pair_runs(s_off, b.nk, p, args.value_cap);
         if (lane == 0) {
           ptx::fence_proxy_async_shared();  // the generic reads of this buffer come before the copy

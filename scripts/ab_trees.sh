@@ -12,6 +12,11 @@
 #   memcheck  compute-sanitizer memcheck on scripts/sanitize_case.py, both loaders
 #   bench N   N alternated rounds of bench_lowbit --quick in each tree (summaries printed)
 #   ab ARGS   benchmarks/ab_lowbit.py ARGS in each tree
+#   tests-spmm  the SpMM GPU tests of the working tree (test_spmm_cuda, test_random_shapes_cuda)
+#   spmm N "ARGS"  N alternated rounds (old, new) of benchmarks/ab_spmm.py ARGS in each tree, e.g.
+#             spmm 2 "--configs auto --rounds 1 --sparsity 0.7 --ns 1,8,16,32"; its geomean lines printed.
+#             In one process identical plans read 0.97-1.06x apart per case and 0.996-1.006x as a
+#             geomean over 12-18 cases (docs/kernels.md, seventy-ninth session): less is no difference.
 # Logs and CSVs go to $OUT/ab.tgz (one file: the device returns a limited number).
 set -u
 cd "$(dirname "$0")/.."
@@ -44,6 +49,20 @@ while [ $# -gt 0 ]; do
           (cd "$d" && SPINFER_CACHE=/tmp/ab-$t PYTHONPATH=$d python3 benchmarks/bench_lowbit.py --quick \
             --csv "$log/lowbit-$t-$r.csv" >"$log/bench-$t-$r.log" 2>&1)
           echo "== $t round $r"; sed -n '/^summary/,$p' "$log/bench-$t-$r.log" | grep -v torch
+        done
+      done ;;
+    tests-spmm)
+      SPINFER_CACHE=/tmp/ab-new PYTHONPATH=$PWD python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/test_spmm_cuda.py tests/test_random_shapes_cuda.py >"$log/tests-spmm.log" 2>&1
+      echo "tests-spmm rc=$?"; tail -1 "$log/tests-spmm.log"; grep FAILED "$log/tests-spmm.log" | head ;;
+    spmm)
+      rounds=$2 args=$3; shift 2
+      for r in $(seq 1 "$rounds"); do
+        for t in old new; do
+          d=$(tree $t)
+          # shellcheck disable=SC2086
+          (cd "$d" && SPINFER_CACHE=/tmp/ab-$t PYTHONPATH=$d python3 benchmarks/ab_spmm.py $args >"$log/spmm-$t-$r.log" 2>&1)
+          echo "$t round $r: $(grep geomean "$log/spmm-$t-$r.log")"
         done
       done ;;
     ab)

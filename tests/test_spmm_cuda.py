@@ -315,6 +315,43 @@ def test_warp_group_two_rows_forced(monkeypatch):
     assert all(spmm_plan(enc, n)["rows"] == 1 for n in (32, 64))
 
 
+@pytest.mark.parametrize("rows", ["1", "2"])
+def test_token_tile_128_forced(monkeypatch, rows):
+    """The sm_90 wgmma kernel's 128-token tile (SPINFER_BN=128, not yet the planner's), one or two
+    GroupTile rows a block: the float64 check holds and the results agree with 64-token tiles' to
+    fp32 rounding, for tiles of fewer tokens than 128 (x rows no copy writes), partial last tiles,
+    split and unsplit, 2 and 3 stages, a stage of a single GroupTile, a dense GroupTile and a dense
+    row, 0% and 99.9% sparsity, bias, fp16 and bf16. Where the wgmma form does not run, the plan
+    falls back to 64-token tiles."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=4000, extra=((640, 1000),))):
+            enc = TCABME.from_dense(w)
+            b = torch.randn(w.shape[0], device="cuda").to(dtype)
+            for stages, splits in STAGES_SPLITS:
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits, SMBD_ROWS=rows)
+                for n in (1, 65, 128, 129, 300) if wi == 0 else (100, 256):
+                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+                    monkeypatch.setenv("SPINFER_BN", "64")
+                    other = spmm_poisoned(x, enc, b)
+                    monkeypatch.setenv("SPINFER_BN", "128")
+                    y = spmm_poisoned(x, enc, b)
+                    ref = x.double() @ w.double().t() + b.double()
+                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits)
+                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
+                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits)
+                    plan = spmm_plan(enc, n, dtype=dtype)
+                    runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == 4
+                    assert runs or not wgmma_can_run(), plan
+                    assert plan["bn"] == (128 if runs else 64), plan
+                    assert plan["n_tiles"] == -(-n // plan["bn"]), plan
+                    assert plan["rows"] == (int(rows) if runs else 1), plan
+    for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_SMBD_ROWS"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1 have no 128-token tile: 64
+    enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
+    assert spmm_plan(enc, 200)["bn"] == 64
+
+
 @pytest.mark.parametrize("x_l1", ["0", "1"])
 def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
     """The sm_90 loader's activation copies through L1 or not (SPINFER_SPMM_XL1) give the same

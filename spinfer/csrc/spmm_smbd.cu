@@ -29,7 +29,8 @@ auto by_tile(int bn, A... a) {
     case 8: return F<8>::run(a...);
     case 16: return F<16>::run(a...);
     case 32: return F<32>::run(a...);
-    default: return F<64>::run(a...);
+    case 64: return F<64>::run(a...);
+    default: return F<128>::run(a...);
   }
 }
 template <int BN>
@@ -172,8 +173,11 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   using namespace smbd;
   SpmmPlan p{};
   p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
-  if (const int forced = env_int("SPINFER_BN", 0); forced == 8 || forced == 16 || forced == 32 || forced == 64)
-    p.bn = forced;  // A/B runs and tests
+  // SPINFER_BN forces a tile (A/B runs and tests); 128, one decode for 128 tokens, only on the wgmma
+  // form (checked below) and not yet the rule's: it has not run on a GPU.
+  if (const int forced = env_int("SPINFER_BN", 0);
+      forced == 8 || forced == 16 || forced == 32 || forced == 64 || forced == 128)
+    p.bn = forced;
   p.n_tiles = (n + p.bn - 1) / p.bn;
   p.grid_m = (m + kGt - 1) / kGt;
   p.grid_k = kp / kGt;
@@ -248,6 +252,10 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
     const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
+  if (p.bn == 128 && p.wgmma != 4) {  // BN = 128 exists as wgmma groups of 4 only (the group rule is BN = 64's)
+    p.bn = 64;
+    p.n_tiles = (n + p.bn - 1) / p.bn;
+  }
   // Two GroupTile rows a block (wgmma groups of 4 at BN >= 32; spmm_smbd.cuh, kRows): the rows' two
   // warp groups share one x slice a stage and one producer warp, so a row costs less shared memory
   // (but its block more registers). Taken at BN = 64 where that keeps more GroupTile rows resident
@@ -263,7 +271,7 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
     const int forced_rows = env_int("SPINFER_SMBD_ROWS", 0);
     if (forced_rows == 1 || forced_rows == 2) {
       p.rows = forced_rows;
-    } else if (p.bn == 64) {
+    } else if (p.bn >= 64) {
       const auto resident_rows = [&](int rows) {
         SpmmPlan q = p;
         q.rows = rows;

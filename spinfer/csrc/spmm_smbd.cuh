@@ -2,7 +2,7 @@
 //
 // Read top to bottom:
 //  * One thread block (4 warps) owns one GroupTile row of W (64 output features) and a tile of
-//    BN tokens, and walks a range of GroupTiles along K (all of them, or a split-K share). (On
+//    BN tokens (8 to 64; 128 on sm_90's wgmma form, forced only: SPINFER_BN=128), and walks a range of GroupTiles along K (all of them, or a split-K share). (On
 //    sm_90 at BN = 64 a block may own two GroupTile rows instead, two warp groups sharing each
 //    stage's x slice: kRows, SpmmPlan::rows.)
 //  * A ring of `stages` pipeline stages brings the GroupTiles to shared memory *compressed*, two
@@ -798,33 +798,39 @@ inline int block_threads(const SpmmPlan& plan) {
 // The kernel variant a plan launches.
 template <bool kBF16, int BN>
 auto kernel_for(const SpmmPlan& plan) {
-  if (!plan.bulk) return plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true> : spmm_smbd_kernel<kBF16, BN, false, false>;
-  if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
-  if constexpr (BN >= 32)
-    if (plan.wgmma) {
-      if (plan.wgmma == 4)
-        return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4, 2>
-                              : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;
-      if (plan.wgmma == kWgRing) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgRing>;
-      if (plan.wgmma == 2) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 2>;
-      return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 1>;
+  if constexpr (BN == 128) {  // wgmma groups of 4 only (spmm_smbd_plan): one or two GroupTile rows a block
+    return plan.rows == 2 ? spmm_smbd_kernel<kBF16, 128, true, true, 0, false, false, 4, 2>
+                          : spmm_smbd_kernel<kBF16, 128, true, true, 0, false, false, 4>;
+  } else {
+    if (!plan.bulk)
+      return plan.lean ? spmm_smbd_kernel<kBF16, BN, false, true> : spmm_smbd_kernel<kBF16, BN, false, false>;
+    if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
+    if constexpr (BN >= 32)
+      if (plan.wgmma) {
+        if (plan.wgmma == 4)
+          return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4, 2>
+                                : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;
+        if (plan.wgmma == kWgRing) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgRing>;
+        if (plan.wgmma == 2) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 2>;
+        return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 1>;
+      }
+    if constexpr (BN <= 16) {
+      if (plan.wgmma && plan.min_blocks == 7) {  // groups of 4 only, at the default register budget
+        if (plan.row_table) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true, 4>;
+        if (plan.count_rows) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true, false, 4>;
+        return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, false, 4>;
+      }
+      if (plan.row_table && plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true>;
+      if (plan.count_rows) {
+        if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8, true>;
+        if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true>;
+        return spmm_smbd_kernel<kBF16, BN, true, true, 9, true>;
+      }
+      if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8>;
+      if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7>;
     }
-  if constexpr (BN <= 16) {
-    if (plan.wgmma && plan.min_blocks == 7) {  // groups of 4 only, at the default register budget
-      if (plan.row_table) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true, 4>;
-      if (plan.count_rows) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true, false, 4>;
-      return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, false, 4>;
-    }
-    if (plan.row_table && plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, false, true>;
-    if (plan.count_rows) {
-      if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8, true>;
-      if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7, true>;
-      return spmm_smbd_kernel<kBF16, BN, true, true, 9, true>;
-    }
-    if (plan.min_blocks == 8) return spmm_smbd_kernel<kBF16, BN, true, true, 8>;
-    if (plan.min_blocks == 7) return spmm_smbd_kernel<kBF16, BN, true, true, 7>;
+    return spmm_smbd_kernel<kBF16, BN, true, true>;
   }
-  return spmm_smbd_kernel<kBF16, BN, true, true>;
 }
 
 // Blocks of this plan's kernel that fit on one SM at its shared memory (CUDA's occupancy
@@ -860,7 +866,7 @@ cudaError_t launch(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stre
                               plan.grid_k, plan.k_per_split, plan.splits, plan.stages, x_map);
 }
 
-#define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64)
+#define SPINFER_SMBD_FOR_TILES(X, BF16) X(BF16, 8) X(BF16, 16) X(BF16, 32) X(BF16, 64) X(BF16, 128)
 #define SPINFER_SMBD_INSTANTIATE_ONE(BF16, BN)                                       \
   template cudaError_t launch<BF16, BN>(const SpmmArgs&, const SpmmPlan&, cudaStream_t); \
   template int resident_blocks<BF16, BN>(const SpmmPlan&);

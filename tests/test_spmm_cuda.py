@@ -316,10 +316,11 @@ def test_warp_group_two_rows_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", ["1", "2"])
-def test_token_tile_128_forced(monkeypatch, rows):
-    """The sm_90 wgmma kernel's 128-token tile (SPINFER_BN=128, not yet the planner's), one or two
-    GroupTile rows a block: the float64 check holds and the results agree with 64-token tiles' to
-    fp32 rounding, for tiles of fewer tokens than 128 (x rows no copy writes), partial last tiles,
+def test_token_tile_128(monkeypatch, rows):
+    """The sm_90 wgmma kernel's 128-token tile, the planner's past 64 tokens, one or two GroupTile
+    rows a block: the float64 check holds and the results agree with 64-token tiles' (SPINFER_BN=64) to
+    fp32 rounding, for tiles of fewer tokens than 128 (N = 1 forced, and N = 65-127: x rows no copy
+    writes), partial last tiles,
     split and unsplit, 2 and 3 stages, a stage of a single GroupTile, a dense GroupTile and a dense
     row, 0% and 99.9% sparsity, bias, fp16 and bf16. Where the wgmma form does not run, the plan
     falls back to 64-token tiles."""
@@ -333,7 +334,7 @@ def test_token_tile_128_forced(monkeypatch, rows):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
                     monkeypatch.setenv("SPINFER_BN", "64")
                     other = spmm_poisoned(x, enc, b)
-                    monkeypatch.setenv("SPINFER_BN", "128")
+                    monkeypatch.setenv("SPINFER_BN", "128" if n <= 64 else "0")  # 0: the planner's
                     y = spmm_poisoned(x, enc, b)
                     ref = x.double() @ w.double().t() + b.double()
                     assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits)
@@ -345,7 +346,7 @@ def test_token_tile_128_forced(monkeypatch, rows):
                     assert plan["bn"] == (128 if runs else 64), plan
                     assert plan["n_tiles"] == -(-n // plan["bn"]), plan
                     assert plan["rows"] == (int(rows) if runs else 1), plan
-    for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_SMBD_ROWS"):
+    for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_SMBD_ROWS", "SPINFER_BN"):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1 have no 128-token tile: 64
     enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
@@ -466,6 +467,8 @@ def test_plan_reports_the_launch():
     enc = TCABME.from_dense(w)
     for n, bn in [(1, 8), (9, 16), (17, 32), (32, 32), (33, 64), (300, 64)]:
         p = spmm_plan(enc, n)
+        bn = 128 if bn == 64 and n > 64 and p["wgmma"] == 4 else bn  # sm_90's tile past 64 tokens
+        assert p["wgmma"] == 4 or n <= 64 or not wgmma_can_run(), p
         assert (p["bn"], p["n_tiles"], p["grid_m"], p["grid_k"]) == (bn, -(-n // bn), 5, 23)
         assert p["lean"] and p["resident_blocks"] >= 1 and p["stages"] == 2
         assert p["splits"] * p["k_per_split"] >= 23 > (p["splits"] - 1) * p["k_per_split"]

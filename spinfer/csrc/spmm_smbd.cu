@@ -172,9 +172,13 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
                         bool row_table) {
   using namespace smbd;
   SpmmPlan p{};
-  p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
-  // SPINFER_BN forces a tile (A/B runs and tests); 128, one decode for 128 tokens, only on the wgmma
-  // form (checked below) and not yet the rule's: it has not run on a GPU.
+  // Past 64 tokens a 128-token tile, one decode of each GroupTile for 128 tokens (wgmma m64n128k16),
+  // where the wgmma form with groups of 4 runs (checked below; elsewhere 64-token tiles). H100, same
+  // process, least of 2 rounds, 4 issue shapes x N = 65 / 128 / 256 / 512 (eightieth session,
+  // docs/kernels.md): every one of 32 cases faster than 64-token tiles, geomean x cuBLAS 0.497 ->
+  // 0.622 at 50% and 70% sparsity (28672x8192 N = 128 at 50%: 274 -> 234 us; N = 65 262 -> 210).
+  // SPINFER_BN forces a tile (A/B runs and tests).
+  p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : n <= 64 ? 64 : 128;
   if (const int forced = env_int("SPINFER_BN", 0);
       forced == 8 || forced == 16 || forced == 32 || forced == 64 || forced == 128)
     p.bn = forced;

@@ -150,6 +150,15 @@ def set_overrides(monkeypatch, **values):
             monkeypatch.setenv(f"SPINFER_{name}", value)
 
 
+def check_against(y, other, x, w, b, where):
+    """y = x @ w.T + b passes the float64 check, and is within fp32 rounding of `other`, the same
+    product by another variant of the kernel (the tolerances of the forced-variant tests)."""
+    ref = x.double() @ w.double().t() + b.double()
+    assert rel_err(y, ref) <= TOL[y.dtype], where
+    agree = 8e-3 if y.dtype == torch.bfloat16 else 1e-3  # a rounding apart
+    assert rel_err(y, other.double()) <= agree, where
+
+
 # (SPINFER_STAGES, SPINFER_SPLITS) of the forced-variant tests: the defaults, split, 3 stages, both
 STAGES_SPLITS = ((None, None), (None, "3"), ("3", None), ("3", "5"))
 
@@ -195,10 +204,7 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
                     other = spmm_poisoned(x, enc, b)
                     monkeypatch.setenv("SPINFER_WGMMA", wgmma)
                     y = spmm_poisoned(x, enc, b)
-                    ref = x.double() @ w.double().t() + b.double()
-                    assert rel_err(y, ref) <= TOL[dtype], (n, stages, splits)
-                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
-                    assert rel_err(y, other.double()) <= agree, (n, stages, splits)
+                    check_against(y, other, x, w, b, (n, stages, splits))
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
                     assert runs or not wgmma_can_run(), plan
@@ -248,10 +254,7 @@ def test_warp_group_mma_small_tiles(monkeypatch):
                     assert spmm_plan(enc, n, dtype=dtype)["wgmma"] == 0
                     monkeypatch.delenv("SPINFER_WGMMA_SMALL")
                     y = spmm_poisoned(x, enc, b)
-                    ref = x.double() @ w.double().t() + b.double()
-                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits, table)
-                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
-                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits, table)
+                    check_against(y, other, x, w, b, (wi, n, stages, splits, table))
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["min_blocks"] == 7
                     assert runs or not wgmma_can_run(), plan
@@ -285,10 +288,7 @@ def test_warp_group_two_rows_forced(monkeypatch):
                     assert spmm_plan(enc, n, dtype=dtype)["rows"] == 1
                     monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
                     y = spmm_poisoned(x, enc, b)
-                    ref = x.double() @ w.double().t() + b.double()
-                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits)
-                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
-                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits)
+                    check_against(y, other, x, w, b, (wi, n, stages, splits))
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] == 4
                     assert runs or not wgmma_can_run(), plan
@@ -336,10 +336,7 @@ def test_token_tile_128(monkeypatch, rows):
                     other = spmm_poisoned(x, enc, b)
                     monkeypatch.setenv("SPINFER_BN", "128" if n <= 64 else "0")  # 0: the planner's
                     y = spmm_poisoned(x, enc, b)
-                    ref = x.double() @ w.double().t() + b.double()
-                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits)
-                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
-                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits)
+                    check_against(y, other, x, w, b, (wi, n, stages, splits))
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == 4
                     assert runs or not wgmma_can_run(), plan

@@ -52,8 +52,9 @@ def _device_key_cached(device: torch.device) -> str:
 
 
 def spmm_tile(n: int) -> Tuple[int, int]:
-    """(token tile, tiles) of the SMBD kernel at N (spmm_smbd_plan)."""
-    bn = 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64
+    """(token tile, tiles) of the SMBD kernel at N (spmm_smbd_plan). Past 64 tokens the sm_90 wgmma
+    kernel takes 128-token tiles and the others two 64-token tiles each: both group N alike."""
+    bn = 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64 if n <= 64 else 128
     return bn, math.ceil(n / bn)
 
 

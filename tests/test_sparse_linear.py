@@ -847,19 +847,20 @@ def test_decode_dense_model_counts_one_chained_launch_and_l2_reuse():
 
 def test_spmm_model_by_token_tile():
     """SpMM is its token tile's fixed cost plus the larger of the bytes' stream and the GroupTiles'
-    decode at that tile; past 64 tokens each tile of 64 pays the BN = 64 decode term again."""
+    decode at that tile; past 128 tokens each tile of 128 pays the BN = 128 decode term again."""
     prof = P.DeviceProfile()
     m, k, wb, ngt = 28672, 8192, 10 << 20, 57344  # few bytes: the decode term decides
-    for n, bn in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)):
+    for n, bn in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64), (65, 128), (128, 128)):
         assert P.predict(P.SPMM, m, k, n, wb, prof, ngt) == pytest.approx(prof.spmm_fixed[bn] + ngt * prof.gt_cost[bn])
-    for n, tiles in ((65, 2), (128, 2), (129, 3), (1024, 16)):
-        expect = prof.spmm_fixed[64] + ngt * prof.gt_cost[64] * tiles
+    for n, tiles in ((129, 2), (256, 2), (257, 3), (1024, 8)):
+        expect = prof.spmm_fixed[128] + ngt * prof.gt_cost[128] * tiles
         assert P.predict(P.SPMM, m, k, n, wb, prof, ngt) == pytest.approx(expect)
     big = 10 << 30  # bytes that take longer than the decode
     assert P.predict(P.SPMM, m, k, 1, big, prof, ngt) == pytest.approx(
         prof.spmm_fixed[8] + (big + 2 * (m + k)) / prof.sparse_bandwidth)
-    # the fixed cost grows with the tile, as measured (larger x slices and partial tiles)
-    assert [prof.spmm_fixed[b] for b in (8, 16, 32, 64)] == sorted(prof.spmm_fixed[b] for b in (8, 16, 32, 64))
+    # every token tile has its two constants
+    assert list(prof.spmm_fixed) == list(P.TOKEN_TILES) == list(prof.gt_cost)
+    assert all(prof.spmm_fixed[b] > 0 and prof.gt_cost[b] > 0 for b in P.TOKEN_TILES)
 
 
 def test_a_profile_stored_by_another_model_is_not_used(monkeypatch, tmp_path):
@@ -882,6 +883,13 @@ def test_a_profile_stored_by_another_model_is_not_used(monkeypatch, tmp_path):
     monkeypatch.setattr(P, "_PROFILES", {})
     prof = P.profile_for(torch.device("cuda"))
     assert prof.dense_bandwidth == 1.5e12 and prof.measured and prof.spmm_fixed == P.DeviceProfile().spmm_fixed
+    # one calibrated before the 128-token tile (no figures for it) is left alone too
+    for name in ("spmm_fixed", "gt_cost"):
+        del current[name][128]
+    write_entry(P._PROFILE_FILE, "gpu-x", current)
+    monkeypatch.setattr(P, "_PROFILES", {})
+    prof = P.profile_for(torch.device("cuda"))
+    assert prof.dense_bandwidth == P.DeviceProfile().dense_bandwidth and not prof.measured
 
 
 @pytest.mark.cuda

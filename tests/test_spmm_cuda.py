@@ -150,6 +150,15 @@ def set_overrides(monkeypatch, **values):
             monkeypatch.setenv(f"SPINFER_{name}", value)
 
 
+def check_against(y, other, x, w, b, where):
+    """y = x @ w.T + b passes the float64 check, and is within fp32 rounding of `other`, the same
+    product by another variant of the kernel (the tolerances of the forced-variant tests)."""
+    ref = x.double() @ w.double().t() + b.double()
+    assert rel_err(y, ref) <= TOL[y.dtype], where
+    agree = 8e-3 if y.dtype == torch.bfloat16 else 1e-3  # a rounding apart
+    assert rel_err(y, other.double()) <= agree, where
+
+
 # (SPINFER_STAGES, SPINFER_SPLITS) of the forced-variant tests: the defaults, split, 3 stages, both
 STAGES_SPLITS = ((None, None), (None, "3"), ("3", None), ("3", "5"))
 
@@ -174,10 +183,12 @@ def wgmma_can_run():
             and os.environ.get("SPINFER_DECODE") != "safe")
 
 
-@pytest.mark.parametrize("wgmma", ["0", "1", "2", "3", "4"])
+@pytest.mark.parametrize("wgmma", ["0", "1", "2", "3", "4", "5"])
 def test_warp_group_mma_forced(monkeypatch, wgmma):
-    """The sm_90 kernel at BN = 32 and 64 on wgmma, one, two or four TCTiles a group, one a group
-    with one group left in flight (3), or on mma.sync (SPINFER_WGMMA): the float64 check holds and the results agree with mma.sync's to fp32
+    """The sm_90 kernel at BN = 32, 64 and 128 on wgmma, one, two or four TCTiles a group, one a group
+    with one group left in flight (3), four with a stage's second GroupTile decoded while the first
+    multiplies (5, at BN >= 64; groups of 4 at BN = 32), or on mma.sync (SPINFER_WGMMA): the float64
+    check holds and the results agree with mma.sync's to fp32
     rounding (the two accumulate in different orders), for tiles of fewer tokens than BN (whose
     x slice has rows no copy writes), partial last tiles, split and unsplit, 2 and 3 stages, a stage
     of a single GroupTile (1450 columns: 23 GroupTiles), a dense GroupTile and a dense row among
@@ -195,14 +206,14 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
                     other = spmm_poisoned(x, enc, b)
                     monkeypatch.setenv("SPINFER_WGMMA", wgmma)
                     y = spmm_poisoned(x, enc, b)
-                    ref = x.double() @ w.double().t() + b.double()
-                    assert rel_err(y, ref) <= TOL[dtype], (n, stages, splits)
-                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
-                    assert rel_err(y, other.double()) <= agree, (n, stages, splits)
+                    check_against(y, other, x, w, b, (n, stages, splits))
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
                     assert runs or not wgmma_can_run(), plan
-                    assert plan["wgmma"] == (int(wgmma) if runs else 0), plan
+                    group = 4 if wgmma == "5" and plan["bn"] < 64 else int(wgmma)
+                    assert plan["wgmma"] == (group if runs else 0), plan
+                    tile = 128 if runs and n > 64 and group in (4, 5) else min(1 << (n - 1).bit_length(), 64)
+                    assert plan["bn"] == tile, plan  # (N = 17-100 here)
     monkeypatch.delenv("SPINFER_STAGES", raising=False)
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
     enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
@@ -248,10 +259,7 @@ def test_warp_group_mma_small_tiles(monkeypatch):
                     assert spmm_plan(enc, n, dtype=dtype)["wgmma"] == 0
                     monkeypatch.delenv("SPINFER_WGMMA_SMALL")
                     y = spmm_poisoned(x, enc, b)
-                    ref = x.double() @ w.double().t() + b.double()
-                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits, table)
-                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
-                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits, table)
+                    check_against(y, other, x, w, b, (wi, n, stages, splits, table))
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["min_blocks"] == 7
                     assert runs or not wgmma_can_run(), plan
@@ -285,10 +293,7 @@ def test_warp_group_two_rows_forced(monkeypatch):
                     assert spmm_plan(enc, n, dtype=dtype)["rows"] == 1
                     monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
                     y = spmm_poisoned(x, enc, b)
-                    ref = x.double() @ w.double().t() + b.double()
-                    assert rel_err(y, ref) <= TOL[dtype], (wi, n, stages, splits)
-                    agree = 8e-3 if dtype == torch.bfloat16 else 1e-3  # a rounding apart
-                    assert rel_err(y, other.double()) <= agree, (wi, n, stages, splits)
+                    check_against(y, other, x, w, b, (wi, n, stages, splits))
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] == 4
                     assert runs or not wgmma_can_run(), plan
@@ -313,6 +318,43 @@ def test_warp_group_two_rows_forced(monkeypatch):
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1: one row a block
     monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
     assert all(spmm_plan(enc, n)["rows"] == 1 for n in (32, 64))
+
+
+@pytest.mark.parametrize("rows", ["1", "2"])
+@pytest.mark.parametrize("wgmma", ["4", "5"])
+def test_token_tile_128(monkeypatch, rows, wgmma):
+    """The sm_90 wgmma kernel's 128-token tile, the planner's past 64 tokens, one or two GroupTile
+    rows a block, groups of 4 waited for one by one or a stage's two overlapping (SPINFER_WGMMA=5):
+    the float64 check holds and the results agree with 64-token tiles' (SPINFER_BN=64) to
+    fp32 rounding, for tiles of fewer tokens than 128 (N = 1 forced, and N = 65-127: x rows no copy
+    writes), partial last tiles,
+    split and unsplit, 2 and 3 stages, a stage of a single GroupTile, a dense GroupTile and a dense
+    row, 0% and 99.9% sparsity, bias, fp16 and bf16. Where the wgmma form does not run, the plan
+    falls back to 64-token tiles."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=4000, extra=((640, 1000),))):
+            enc = TCABME.from_dense(w)
+            b = torch.randn(w.shape[0], device="cuda").to(dtype)
+            for stages, splits in STAGES_SPLITS:
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits, SMBD_ROWS=rows, WGMMA=wgmma)
+                for n in (1, 65, 128, 129, 300) if wi == 0 else (100, 256):
+                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+                    monkeypatch.setenv("SPINFER_BN", "64")
+                    other = spmm_poisoned(x, enc, b)
+                    monkeypatch.setenv("SPINFER_BN", "128" if n <= 64 else "0")  # 0: the planner's
+                    y = spmm_poisoned(x, enc, b)
+                    check_against(y, other, x, w, b, (wi, n, stages, splits))
+                    plan = spmm_plan(enc, n, dtype=dtype)
+                    runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == int(wgmma)
+                    assert runs or not wgmma_can_run(), plan
+                    assert plan["bn"] == (128 if runs else 64), plan
+                    assert plan["n_tiles"] == -(-n // plan["bn"]), plan
+                    assert plan["rows"] == (int(rows) if runs else 1), plan
+    for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_SMBD_ROWS", "SPINFER_BN", "SPINFER_WGMMA"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1 have no 128-token tile: 64
+    enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
+    assert spmm_plan(enc, 200)["bn"] == 64
 
 
 @pytest.mark.parametrize("x_l1", ["0", "1"])
@@ -429,6 +471,8 @@ def test_plan_reports_the_launch():
     enc = TCABME.from_dense(w)
     for n, bn in [(1, 8), (9, 16), (17, 32), (32, 32), (33, 64), (300, 64)]:
         p = spmm_plan(enc, n)
+        bn = 128 if bn == 64 and n > 64 and p["wgmma"] == 4 else bn  # sm_90's tile past 64 tokens
+        assert p["wgmma"] == 4 or n <= 64 or not wgmma_can_run(), p
         assert (p["bn"], p["n_tiles"], p["grid_m"], p["grid_k"]) == (bn, -(-n // bn), 5, 23)
         assert p["lean"] and p["resident_blocks"] >= 1 and p["stages"] == 2
         assert p["splits"] * p["k_per_split"] >= 23 > (p["splits"] - 1) * p["k_per_split"]

@@ -408,7 +408,7 @@ __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi(uint32_t sbo) { retu
 // unused (a k16 tile lies inside a row), and a k16 tile `t` of the row starts 32 t bytes on.
 __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi_sw128(uint32_t sbo) { return (sbo >> 4) | (1u << 30); }
 
-// One thread's accumulators as asm operands %0 ... (4 at N = 8, 8 at 16, 16 at 32, 32 at 64).
+// One thread's accumulators as asm operands %0 ... (4 at N = 8, 8 at 16, 16 at 32, 32 at 64, 64 at 128).
 #define SPINFER_WGMMA_ACC8 "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
 #define SPINFER_WGMMA_ACC16 \
   SPINFER_WGMMA_ACC8, "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
@@ -422,6 +422,16 @@ __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi_sw128(uint32_t sbo) 
   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define SPINFER_WGMMA_ACC128 \
+  SPINFER_WGMMA_ACC64, \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+  "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 // wgmma.mma_async.m64nNk16 on TYPE (f16 or bf16): the accumulators, then A's four registers, the
 // descriptor's two words and scale-d (1: accumulate), as the operands numbered in DREGS, AREGS, LO,
 // HI and ONE.
@@ -440,12 +450,17 @@ __device__ __forceinline__ constexpr uint32_t wgmma_desc_hi_sw128(uint32_t sbo) 
                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"  \
                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31",  \
                     "%32,%33,%34,%35", "%36", "%37", "%38")
+#define SPINFER_WGMMA_ASM128(TYPE)                        \
+  SPINFER_WGMMA_ASM("128", TYPE,                          \
+                    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"  \
+                    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63",  \
+                    "%64,%65,%66,%67", "%68", "%69", "%70")
 #define SPINFER_WGMMA_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi), "r"(1)
 
 template <bool kBF16, int N>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t desc_lo,
                                              uint32_t desc_hi) {
-  static_assert(N == 8 || N == 16 || N == 32 || N == 64, "the SMBD kernel's tiles of 8, 16, 32 and 64 tokens");
+  static_assert(N == 8 || N == 16 || N == 32 || N == 64 || N == 128, "the SMBD kernel's tiles of 8 to 128 tokens");
 #ifdef SPINFER_WGMMA
   if constexpr (N == 8 && !kBF16)
     asm volatile(SPINFER_WGMMA_ASM8("f16") : SPINFER_WGMMA_ACC8 : SPINFER_WGMMA_IN);
@@ -459,10 +474,14 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], const uint32_
     asm volatile(SPINFER_WGMMA_ASM32("f16") : SPINFER_WGMMA_ACC32 : SPINFER_WGMMA_IN);
   else if constexpr (N == 32)
     asm volatile(SPINFER_WGMMA_ASM32("bf16") : SPINFER_WGMMA_ACC32 : SPINFER_WGMMA_IN);
-  else if constexpr (!kBF16)
+  else if constexpr (N == 64 && !kBF16)
     asm volatile(SPINFER_WGMMA_ASM64("f16") : SPINFER_WGMMA_ACC64 : SPINFER_WGMMA_IN);
-  else
+  else if constexpr (N == 64)
     asm volatile(SPINFER_WGMMA_ASM64("bf16") : SPINFER_WGMMA_ACC64 : SPINFER_WGMMA_IN);
+  else if constexpr (!kBF16)
+    asm volatile(SPINFER_WGMMA_ASM128("f16") : SPINFER_WGMMA_ACC128 : SPINFER_WGMMA_IN);
+  else
+    asm volatile(SPINFER_WGMMA_ASM128("bf16") : SPINFER_WGMMA_ACC128 : SPINFER_WGMMA_IN);
 #endif
 }
 

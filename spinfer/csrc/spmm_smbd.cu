@@ -29,7 +29,8 @@ auto by_tile(int bn, A... a) {
     case 8: return F<8>::run(a...);
     case 16: return F<16>::run(a...);
     case 32: return F<32>::run(a...);
-    default: return F<64>::run(a...);
+    case 64: return F<64>::run(a...);
+    default: return F<128>::run(a...);
   }
 }
 template <int BN>
@@ -171,9 +172,16 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
                         bool row_table) {
   using namespace smbd;
   SpmmPlan p{};
-  p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : 64;
-  if (const int forced = env_int("SPINFER_BN", 0); forced == 8 || forced == 16 || forced == 32 || forced == 64)
-    p.bn = forced;  // A/B runs and tests
+  // Past 64 tokens a 128-token tile, one decode of each GroupTile for 128 tokens (wgmma m64n128k16),
+  // where the wgmma form with groups of 4 runs (checked below; elsewhere 64-token tiles). H100, same
+  // process, least of 2 rounds, 4 issue shapes x N = 65 / 128 / 256 / 512 (eightieth session,
+  // docs/kernels.md): every one of 32 cases faster than 64-token tiles, geomean x cuBLAS 0.497 ->
+  // 0.622 at 50% and 70% sparsity (28672x8192 N = 128 at 50%: 274 -> 234 us; N = 65 262 -> 210).
+  // SPINFER_BN forces a tile (A/B runs and tests).
+  p.bn = n <= 8 ? 8 : n <= 16 ? 16 : n <= 32 ? 32 : n <= 64 ? 64 : 128;
+  if (const int forced = env_int("SPINFER_BN", 0);
+      forced == 8 || forced == 16 || forced == 32 || forced == 64 || forced == 128)
+    p.bn = forced;
   p.n_tiles = (n + p.bn - 1) / p.bn;
   p.grid_m = (m + kGt - 1) / kGt;
   p.grid_k = kp / kGt;
@@ -243,10 +251,15 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const bool wgmma_ok = p.bulk && p.lean && major == 9 && tensor_map_encoder() != nullptr;
   if (p.bn >= 32) {
     const int group = env_int("SPINFER_WGMMA", 4);
-    p.wgmma = !wgmma_ok || group <= 0 ? 0 : group >= 4 ? 4 : group;  // 3: kWgRing
+    // 3: kWgRing; 5: kWgPair (groups of 4 overlapping a stage's two GroupTiles, at BN >= 64)
+    p.wgmma = !wgmma_ok || group <= 0 ? 0 : group == kWgPair && p.bn >= 64 ? kWgPair : group >= 4 ? 4 : group;
   } else {
     const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
+  }
+  if (p.bn == 128 && p.wgmma != 4 && p.wgmma != kWgPair) {  // BN = 128 exists as wgmma groups of 4 only (the group rule is BN = 64's)
+    p.bn = 64;
+    p.n_tiles = (n + p.bn - 1) / p.bn;
   }
   // Two GroupTile rows a block (wgmma groups of 4 at BN >= 32; spmm_smbd.cuh, kRows): the rows' two
   // warp groups share one x slice a stage and one producer warp, so a row costs less shared memory
@@ -259,11 +272,11 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // 50%) from 1.5% slower to 1.8% faster, at 70% (rows resident level) up to 5% slower; so BN = 32
   // keeps blocks of one row. SPINFER_SMBD_ROWS=1|2 forces one (A/B runs and tests).
   p.rows = 1;
-  if (p.wgmma == 4 && p.bn >= 32) {
+  if ((p.wgmma == 4 || p.wgmma == kWgPair) && p.bn >= 32) {
     const int forced_rows = env_int("SPINFER_SMBD_ROWS", 0);
     if (forced_rows == 1 || forced_rows == 2) {
       p.rows = forced_rows;
-    } else if (p.bn == 64) {
+    } else if (p.bn >= 64) {
       const auto resident_rows = [&](int rows) {
         SpmmPlan q = p;
         q.rows = rows;

@@ -30,6 +30,7 @@ LOWBIT = "lowbit"  # spinfer.lowbit_mm
 # the torch-op decoder it was ~1500-2000 tokens); the buckets above 256 cost nothing and keep the
 # choice per prompt size.
 N_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 1024, 2048, 4096, 8192)
+TOKEN_TILES = (8, 16, 32, 64, 128)  # the SMBD kernel's, each with its own constants below
 
 
 def n_bucket(n: int) -> int:
@@ -59,12 +60,16 @@ class DeviceProfile:
     # The SMBD kernel by token tile BN: its fixed cost (launch, pipeline fill, the split-K
     # reduction; larger with the tile) and its decode cost per GroupTile (64x64) on the whole GPU:
     # the intercept and the slope of its time against GroupTiles through 4096x4096 and 16384x8192
-    # at 50%, at N = BN (N > 64 pays the BN = 64 slope once per 64 tokens). The fixed cost decides
+    # at 50%, at N = BN (N > 128 pays the BN = 128 slope once per 128 tokens; where the kernel has
+    # no 128-token tile, N = 128 runs two 64-token tiles, and the BN = 128 figures measure those;
+    # BN = 128's are the eightieth session's calibrate(), the 128-token tile's first). The fixed cost decides
     # small layers for dense (1024x4096: 10.5-11.6 us as SpMM, 9.6 dense). A single fixed cost for
     # every tile (the intercept at N = 1) and the slopes of SMBD v11 left the policy 1.21x slow
     # on kernel v19 (docs/policy.md, seventy-eighth session).
-    spmm_fixed: Dict[int, float] = field(default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6})
-    gt_cost: Dict[int, float] = field(default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9})
+    spmm_fixed: Dict[int, float] = field(
+        default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6, 128: 15.6e-6})
+    gt_cost: Dict[int, float] = field(
+        default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9, 128: 2.88e-9})
     # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call,
     # and the decode kernel's fixed cost: the slope and the intercept of its time against bytes
     # through 4096x4096 and 16384x8192 at 50% (the CUDA decode kernels on H100, `spinfer bench
@@ -94,12 +99,13 @@ class DeviceProfile:
 
     @staticmethod
     def token_tile(n: int) -> int:
-        """The SMBD kernel's token tile BN at n tokens (spmm_smbd.cu's planner)."""
-        return 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64
+        """The SMBD kernel's token tile BN at n tokens (spmm_smbd.cu's planner; 128 counts as two
+        64-token tiles where the kernel has no 128-token tile)."""
+        return 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64 if n <= 64 else 128
 
     def gt_time(self, n: int) -> float:
         """Seconds per GroupTile of the SMBD kernel's decode term at n tokens."""
-        return self.gt_cost[self.token_tile(n)] * (1 if n <= 64 else math.ceil(n / 64))
+        return self.gt_cost[self.token_tile(n)] * (1 if n <= 128 else math.ceil(n / 128))
 
 
 def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: DeviceProfile,
@@ -152,11 +158,14 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     if key in _PROFILES:
         return _PROFILES[key]
     stored = read_entry(_PROFILE_FILE, key)
-    # a profile that another version of the model stored (other constants) is not used: the defaults
-    # stand until calibrate() runs again
-    if stored and set(stored) == {f.name for f in fields(DeviceProfile)}:
+    # a profile that another version of the model stored (other constants, or no figures for a token
+    # tile: those before the 128-token tile) is not used: the defaults stand until calibrate() runs again
+    usable = bool(stored) and set(stored) == {f.name for f in fields(DeviceProfile)}
+    if usable:
         for name in ("gt_cost", "spmm_fixed"):
             stored[name] = {int(b): v for b, v in stored[name].items()}
+            usable = usable and set(stored[name]) == set(TOKEN_TILES)
+    if usable:
         _PROFILES[key] = DeviceProfile(**stored)
     else:
         l2 = getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0)
@@ -196,7 +205,7 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     small_ngt, small_bytes = small_enc.geometry.num_group_tiles, small_enc.storage_bytes().total
     xs = torch.randn(1, 4096, device=dev).half()
     spmm_fixed, gt_cost = {}, {}
-    for bn in (8, 16, 32, 64):
+    for bn in TOKEN_TILES:
         xb, xbs = torch.randn(bn, k, device=dev).half(), torch.randn(bn, 4096, device=dev).half()
         t_large = median_time(lambda: spmm(xb, enc), dev, reps=20)
         t_small = median_time(lambda: spmm(xbs, small_enc), dev, reps=30)

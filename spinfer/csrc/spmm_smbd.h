@@ -28,7 +28,7 @@ struct SpmmArgs {
 };
 
 struct SpmmPlan {
-  int bn;           // tokens per block tile: 8, 16, 32 or 64 (128: sm_90's wgmma form, forced only)
+  int bn;           // tokens per block tile: 8, 16, 32 or 64 (128: past 64 tokens on sm_90's wgmma form)
   int n_tiles;      // ceil(n / bn)
   int grid_m;       // GroupTile rows: ceil(m / 64)
   int grid_k;       // GroupTile columns: kp / 64

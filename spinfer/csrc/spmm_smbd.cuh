@@ -3,7 +3,7 @@
 // Read top to bottom:
 //  * One thread block (4 warps) owns one GroupTile row of W (64 output features) and a tile of
 //    BN tokens (8 to 64; 128 past 64 tokens on sm_90's wgmma form), and walks a range of GroupTiles along K (all of them, or a split-K share). (On
-//    sm_90 at BN = 64 a block may own two GroupTile rows instead, two warp groups sharing each
+//    sm_90 at BN >= 64 a block may own two GroupTile rows instead, two warp groups sharing each
 //    stage's x slice: kRows, SpmmPlan::rows.)
 //  * A ring of `stages` pipeline stages brings the GroupTiles to shared memory *compressed*, two
 //    consecutive GroupTiles per stage: their bitmaps (2 x 512 B), their value runs (adjacent in

@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import torch
 
 from ..cache import read_entry, write_entry
-from ..tuning import device_key
+from ..tuning import device_key, spmm_tile
 
 # Kernel names a layer can dispatch to.
 DENSE = "dense"  # F.linear on a dense weight (cuBLAS on CUDA)
@@ -101,7 +101,7 @@ class DeviceProfile:
     def token_tile(n: int) -> int:
         """The SMBD kernel's token tile BN at n tokens (spmm_smbd.cu's planner; 128 counts as two
         64-token tiles where the kernel has no 128-token tile)."""
-        return 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64 if n <= 64 else 128
+        return spmm_tile(n)[0]
 
     def gt_time(self, n: int) -> float:
         """Seconds per GroupTile of the SMBD kernel's decode term at n tokens."""

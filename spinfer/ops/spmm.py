@@ -205,7 +205,8 @@ PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "st
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
               splits: int = 0) -> dict:
     """The launch configuration the CUDA kernel's planner picks for ``weight`` at ``n`` tokens of
-    ``dtype`` on ``device``: token tile ``bn`` and ``n_tiles``, the GroupTile grid, ``splits``
+    ``dtype`` on ``device``: token tile ``bn`` (8, 16, 32 or 64 up to that many tokens; past 64, 128
+    where the sm_90 kernel runs wgmma groups of 4, else 64) and ``n_tiles``, the GroupTile grid, ``splits``
     (``splits=0``: the planner's rule, else that factor) and ``k_per_split``, pipeline
     ``stages``, the value buffer, shared memory per block, ``resident_blocks`` per SM (CUDA's
     occupancy calculator; 0 if unknown), the register budget (``min_blocks``: 9, 8 or 7 resident
@@ -215,12 +216,13 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     and ``stagger``: whether it requests the ring's last stage only once a block's first has landed
     (at ``bn`` = 8 where it does not count rows), and ``row_table``: whether the decoding warps read
     the rows above their own from the weight's row table (``TCABME.row_offset``) instead, and
-    ``wgmma``: the TCTiles of one warp-group MMA group in the sm_90 kernel at ``bn`` = 32 and 64
+    ``wgmma``: the TCTiles of one warp-group MMA group in the sm_90 kernel at ``bn`` >= 32
     (4 by default; 1, 2, or 3 for groups of 1 with one left in flight, through ``SPINFER_WGMMA``), or 0
     where it runs ``mma.sync``; at ``bn`` = 8 and 16 it is 4 at the default register budget
     (``min_blocks`` 7) unless ``SPINFER_WGMMA_SMALL=0`` or ``SPINFER_WGMMA=0``, else 0; ``rows``: the
-    GroupTile rows a block (1, or 2 under ``SPINFER_SMBD_ROWS=2`` where wgmma runs groups of 4 at
-    ``bn`` >= 32: the two rows' warp groups share each stage's activation slice).
+    GroupTile rows a block (1, or 2 where wgmma runs groups of 4 at ``bn`` >= 32: the two rows' warp
+    groups share each stage's activation slice; the planner takes 2 at ``bn`` >= 64 where that keeps
+    more rows resident, ``SPINFER_SMBD_ROWS=1|2`` forces one).
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)

@@ -3,7 +3,8 @@ split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K)
 variants, the three register budgets, the rows above counted by the producer warp, by each warp or read
 from the weight's row table (also a corrupt one), the next stage requested after the
 first has landed or with it, wgmma or mma.sync at BN = 32 and 64 (token tiles under BN: x rows no copy
-writes), one or two GroupTile rows a block, the 128-token tile (SPINFER_BN=128), a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
+writes), one or two GroupTile rows a block, the 128-token tile (SPINFER_BN=128), a stage's two GroupTiles' wgmma
+overlapping (SPINFER_WGMMA=5), a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
@@ -13,7 +14,7 @@ kernel at every width, two groups a chunk below 4 bits and at 8, both loaders (r
 shared-memory ring, the ring with blocks of 8 warps and of 4), with both zero-point paths, and its split tail rows; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets.
 
-SANITIZE_PARTS (a comma list of spmm, bn128, lowbit, gemv, dense; default all) runs some of them, and
+SANITIZE_PARTS (a comma list of spmm, bn128, pair, lowbit, gemv, dense; default all) runs some of them, and
 SANITIZE_BITS (a comma list of 1, 2, 4, 8; default all) the low-bit widths of the lowbit and gemv
 parts: racecheck of every part takes more than 5 minutes, so the pieces run in processes of their own."""
 
@@ -34,7 +35,7 @@ def chosen(name: str, choices: str) -> list:
     return picked
 
 
-PARTS = chosen("SANITIZE_PARTS", "spmm,bn128,lowbit,gemv,dense")
+PARTS = chosen("SANITIZE_PARTS", "spmm,bn128,pair,lowbit,gemv,dense")
 BITS = [int(b) for b in chosen("SANITIZE_BITS", "1,2,4,8")]
 SPMM_CASES = [
         (64, 64, 1, "1", "2", "lean", "9", "1", "1", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1", "1", "1"),
@@ -53,8 +54,12 @@ SPMM_CASES = [
 # the 128-token tile (SPINFER_BN=128, wgmma groups of 4): one and two GroupTile rows, partial tiles, split
 BN128_CASES = [(300, 1450, 100, "2", "3", "lean", "7", "0", "0", "4", "1"), (4097, 1000, 129, "1", "2", "lean", "7", "0", "0", "4", "1"),
                (4097, 1000, 200, "3", "2", "lean", "7", "0", "0", "4", "2"), (640, 1000, 65, "2", "2", "lean", "7", "0", "0", "4", "2")]
+# a stage's two GroupTiles' wgmma overlapping (SPINFER_WGMMA=5) at the planner's tile: 128 and 64, one and two rows
+PAIR_CASES = [(300, 1450, 130, "2", "3", "lean", "7", "0", "0", "5", "1"), (4097, 1000, 100, "1", "2", "lean", "7", "0", "0", "5", "2"),
+              (4097, 1000, 64, "3", "2", "lean", "7", "0", "0", "5", "2"), (300, 1450, 40, "1", "2", "lean", "7", "0", "0", "5", "1")]
 for (m, k, n, splits, stages, decode, budget, count, stagger, wgmma, rows), bn in (
-        [(case, "0") for case in SPMM_CASES if "spmm" in PARTS] + [(case, "128") for case in BN128_CASES if "bn128" in PARTS]):
+        [(case, "0") for case in SPMM_CASES if "spmm" in PARTS] + [(case, "128") for case in BN128_CASES if "bn128" in PARTS]
+        + [(case, "0") for case in PAIR_CASES if "pair" in PARTS]):
     os.environ["SPINFER_BN"] = bn  # 0: the planner's token tile
     os.environ["SPINFER_SPLITS"] = splits
     os.environ["SPINFER_STAGES"] = stages

@@ -183,10 +183,12 @@ def wgmma_can_run():
             and os.environ.get("SPINFER_DECODE") != "safe")
 
 
-@pytest.mark.parametrize("wgmma", ["0", "1", "2", "3", "4"])
+@pytest.mark.parametrize("wgmma", ["0", "1", "2", "3", "4", "5"])
 def test_warp_group_mma_forced(monkeypatch, wgmma):
-    """The sm_90 kernel at BN = 32 and 64 on wgmma, one, two or four TCTiles a group, one a group
-    with one group left in flight (3), or on mma.sync (SPINFER_WGMMA): the float64 check holds and the results agree with mma.sync's to fp32
+    """The sm_90 kernel at BN = 32, 64 and 128 on wgmma, one, two or four TCTiles a group, one a group
+    with one group left in flight (3), four with a stage's second GroupTile decoded while the first
+    multiplies (5, at BN >= 64; groups of 4 at BN = 32), or on mma.sync (SPINFER_WGMMA): the float64
+    check holds and the results agree with mma.sync's to fp32
     rounding (the two accumulate in different orders), for tiles of fewer tokens than BN (whose
     x slice has rows no copy writes), partial last tiles, split and unsplit, 2 and 3 stages, a stage
     of a single GroupTile (1450 columns: 23 GroupTiles), a dense GroupTile and a dense row among
@@ -208,7 +210,10 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
                     assert runs or not wgmma_can_run(), plan
-                    assert plan["wgmma"] == (int(wgmma) if runs else 0), plan
+                    group = 4 if wgmma == "5" and plan["bn"] < 64 else int(wgmma)
+                    assert plan["wgmma"] == (group if runs else 0), plan
+                    tile = 128 if runs and n > 64 and group in (4, 5) else min(1 << (n - 1).bit_length(), 64)
+                    assert plan["bn"] == tile, plan  # (N = 17-100 here)
     monkeypatch.delenv("SPINFER_STAGES", raising=False)
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
     enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
@@ -316,9 +321,11 @@ def test_warp_group_two_rows_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", ["1", "2"])
-def test_token_tile_128(monkeypatch, rows):
+@pytest.mark.parametrize("wgmma", ["4", "5"])
+def test_token_tile_128(monkeypatch, rows, wgmma):
     """The sm_90 wgmma kernel's 128-token tile, the planner's past 64 tokens, one or two GroupTile
-    rows a block: the float64 check holds and the results agree with 64-token tiles' (SPINFER_BN=64) to
+    rows a block, groups of 4 waited for one by one or a stage's two overlapping (SPINFER_WGMMA=5):
+    the float64 check holds and the results agree with 64-token tiles' (SPINFER_BN=64) to
     fp32 rounding, for tiles of fewer tokens than 128 (N = 1 forced, and N = 65-127: x rows no copy
     writes), partial last tiles,
     split and unsplit, 2 and 3 stages, a stage of a single GroupTile, a dense GroupTile and a dense
@@ -329,7 +336,7 @@ def test_token_tile_128(monkeypatch, rows):
             enc = TCABME.from_dense(w)
             b = torch.randn(w.shape[0], device="cuda").to(dtype)
             for stages, splits in STAGES_SPLITS:
-                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits, SMBD_ROWS=rows)
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits, SMBD_ROWS=rows, WGMMA=wgmma)
                 for n in (1, 65, 128, 129, 300) if wi == 0 else (100, 256):
                     x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
                     monkeypatch.setenv("SPINFER_BN", "64")
@@ -338,12 +345,12 @@ def test_token_tile_128(monkeypatch, rows):
                     y = spmm_poisoned(x, enc, b)
                     check_against(y, other, x, w, b, (wi, n, stages, splits))
                     plan = spmm_plan(enc, n, dtype=dtype)
-                    runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == 4
+                    runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == int(wgmma)
                     assert runs or not wgmma_can_run(), plan
                     assert plan["bn"] == (128 if runs else 64), plan
                     assert plan["n_tiles"] == -(-n // plan["bn"]), plan
                     assert plan["rows"] == (int(rows) if runs else 1), plan
-    for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_SMBD_ROWS", "SPINFER_BN"):
+    for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_SMBD_ROWS", "SPINFER_BN", "SPINFER_WGMMA"):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1 have no 128-token tile: 64
     enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))

@@ -251,12 +251,13 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const bool wgmma_ok = p.bulk && p.lean && major == 9 && tensor_map_encoder() != nullptr;
   if (p.bn >= 32) {
     const int group = env_int("SPINFER_WGMMA", 4);
-    p.wgmma = !wgmma_ok || group <= 0 ? 0 : group >= 4 ? 4 : group;  // 3: kWgRing
+    // 3: kWgRing; 5: kWgPair (groups of 4 overlapping a stage's two GroupTiles, at BN >= 64)
+    p.wgmma = !wgmma_ok || group <= 0 ? 0 : group == kWgPair && p.bn >= 64 ? kWgPair : group >= 4 ? 4 : group;
   } else {
     const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
-  if (p.bn == 128 && p.wgmma != 4) {  // BN = 128 exists as wgmma groups of 4 only (the group rule is BN = 64's)
+  if (p.bn == 128 && p.wgmma != 4 && p.wgmma != kWgPair) {  // BN = 128 exists as wgmma groups of 4 only (the group rule is BN = 64's)
     p.bn = 64;
     p.n_tiles = (n + p.bn - 1) / p.bn;
   }
@@ -271,7 +272,7 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // 50%) from 1.5% slower to 1.8% faster, at 70% (rows resident level) up to 5% slower; so BN = 32
   // keeps blocks of one row. SPINFER_SMBD_ROWS=1|2 forces one (A/B runs and tests).
   p.rows = 1;
-  if (p.wgmma == 4 && p.bn >= 32) {
+  if ((p.wgmma == 4 || p.wgmma == kWgPair) && p.bn >= 32) {
     const int forced_rows = env_int("SPINFER_SMBD_ROWS", 0);
     if (forced_rows == 1 || forced_rows == 2) {
       p.rows = forced_rows;

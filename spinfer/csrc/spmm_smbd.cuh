@@ -311,6 +311,27 @@ __device__ __forceinline__ void hold_accumulators(float (&acc)[BN / 8][4]) {
 }
 
 constexpr int kWgRing = 3;  // SpmmPlan::wgmma: groups of 1 TCTile, one left in flight (decode_gt_wg_ring)
+constexpr int kWgPair = 5;  // SpmmPlan::wgmma: groups of 4, a stage's second decoded while the first multiplies
+
+// Decodes GroupTile gt's four TCTiles into `a` and issues their wgmma as one group, without waiting
+// for it (kWgPair): decode_stage decodes the stage's second GroupTile into another register set
+// while the first's group runs, and waits for both at the stage's end, before the block barrier
+// lets the producer refill the stage. At BN = 128 a group is 256 tensor-pipe cycles, and ncu on
+// groups of 4 put 18% of the stall samples on the wait after each one (eightieth session).
+template <bool kBF16, int BN>
+__device__ __forceinline__ void decode_gt_wg_issue(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt,
+                                                   int lane, uint32_t to_top, float (&acc)[BN / 8][4],
+                                                   uint32_t (&a)[4][4]) {
+  const uint4* pk = reinterpret_cast<const uint4*>(pack + (lane >> 4) * kPackStride);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) decode_tctile<true>(pk, nullptr, 0, t, to_top, a[t]);
+  hold_accumulators<BN>(acc);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < 4; ++t)  // k16 tile t of GroupTile gt: 32 t bytes into its rows
+    ptx::wgmma_m64k16<kBF16, BN>(acc, a[t], x_desc + (gt * BN * kGt * 2 + 32 * t) / 16, desc_hi);
+  ptx::wgmma_commit();
+}
 
 template <bool kBF16, int BN, int kGroup>
 __device__ __forceinline__ void decode_gt_wg(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt, int lane,
@@ -422,7 +443,13 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
     // ptxas still moves it to a uniform register before every wgmma, but from one register: without
     // this it rebuilt it each time, 1-4 more instructions a stage (sm_90a SASS, BN = 32)
     asm volatile("" : "+r"(desc_hi));
-    if constexpr (kWg == kWgRing) {
+    if constexpr (kWg == kWgPair) {
+      uint32_t a0[4][4], a1[4][4];
+      decode_gt_wg_issue<kBF16, BN>(pack, x_desc, desc_hi, 0, lane, to_top, acc, a0);
+      if (pr.y >> 16 == kPair) decode_gt_wg_issue<kBF16, BN>(pack + kPackPerGt, x_desc, desc_hi, 1, lane, to_top, acc, a1);
+      ptx::wgmma_wait<0>();
+      hold_accumulators<BN>(acc);
+    } else if constexpr (kWg == kWgRing) {
       uint32_t a[2][4];
       decode_gt_wg_ring<kBF16, BN>(pack, x_desc, desc_hi, 0, lane, to_top, acc, a);
       if (pr.y >> 16 == kPair) decode_gt_wg_ring<kBF16, BN>(pack + kPackPerGt, x_desc, desc_hi, 1, lane, to_top, acc, a);
@@ -487,7 +514,8 @@ __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
     static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
     static_assert(!kWg || (kBulk && kLean && (BN >= 32 || (kWg == 4 && kMinB == 7))),
                   "wgmma: the lean sm_90 kernel; at BN <= 16 groups of 4 at the default register budget");
-    static_assert(kRows == 1 || (kRows == 2 && kWg == 4 && BN >= 32), "two GroupTile rows: wgmma groups of 4 at BN >= 32");
+    static_assert(kRows == 1 || (kRows == 2 && (kWg == 4 || kWg == kWgPair) && BN >= 32),
+                  "two GroupTile rows: wgmma groups of 4 at BN >= 32");
     using L = Layout<BN, (kWg > 0), kRows>;
     const L lay(args.value_cap, n_stages, args.n);
     const int S = lay.stages;
@@ -798,7 +826,10 @@ inline int block_threads(const SpmmPlan& plan) {
 // The kernel variant a plan launches.
 template <bool kBF16, int BN>
 auto kernel_for(const SpmmPlan& plan) {
-  if constexpr (BN == 128) {  // wgmma groups of 4 only (spmm_smbd_plan): one or two GroupTile rows a block
+  if constexpr (BN == 128) {  // wgmma groups of 4 only (spmm_smbd_plan), kWgPair or not: one or two GroupTile rows a block
+    if (plan.wgmma == kWgPair)
+      return plan.rows == 2 ? spmm_smbd_kernel<kBF16, 128, true, true, 0, false, false, kWgPair, 2>
+                            : spmm_smbd_kernel<kBF16, 128, true, true, 0, false, false, kWgPair>;
     return plan.rows == 2 ? spmm_smbd_kernel<kBF16, 128, true, true, 0, false, false, 4, 2>
                           : spmm_smbd_kernel<kBF16, 128, true, true, 0, false, false, 4>;
   } else {
@@ -810,6 +841,10 @@ auto kernel_for(const SpmmPlan& plan) {
         if (plan.wgmma == 4)
           return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4, 2>
                                 : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;
+        if constexpr (BN == 64)
+          if (plan.wgmma == kWgPair)
+            return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgPair, 2>
+                                  : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgPair>;
         if (plan.wgmma == kWgRing) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgRing>;
         if (plan.wgmma == 2) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 2>;
         return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 1>;

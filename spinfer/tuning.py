@@ -38,10 +38,19 @@ _generation = 0  # bumped whenever the table may have changed (see generation)
 _device_keys: Dict[int, str] = {}
 
 
+# The kernels' revision, part of every stored figure's key: a split factor, a calibrated device
+# profile or an autotuned choice measured the kernels of one build, and a kernel or planner change
+# (SMBD v21 runs N = 65-128 ~12% faster than v20) makes it wrong. Bumped with such a change, so
+# figures stored by an earlier build are not used and the planners' rules and the defaults stand
+# until they are measured again.
+KERNEL_REVISION = "k21"
+
+
 def device_key(device: torch.device) -> str:
-    """What identifies a GPU for tuned figures: name, compute capability and SM count."""
+    """What identifies a GPU for tuned figures: name, compute capability and SM count, and the
+    kernels' revision (KERNEL_REVISION)."""
     props = torch.cuda.get_device_properties(device)
-    return f"{props.name}|sm{props.major}{props.minor}|{props.multi_processor_count}"
+    return f"{props.name}|sm{props.major}{props.minor}|{props.multi_processor_count}|{KERNEL_REVISION}"
 
 
 def _device_key_cached(device: torch.device) -> str:

@@ -79,6 +79,28 @@ def test_table_lookup_persistence_and_clear(table, monkeypatch):
     assert not (table / "splits.json").exists()
 
 
+def test_figures_of_another_kernel_revision_are_not_used(table, monkeypatch):
+    """The device key names the kernels' revision: a split factor stored by an earlier build (its
+    kernels timed, not these) is not found, and one stored under this build's key is."""
+    import types
+
+    props = types.SimpleNamespace(name="GPU-X", major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(tuning, "_device_keys", {})
+    dev = torch.device("cuda", 0)
+    key = tuning.device_key(dev)
+    assert key == f"GPU-X|sm90|132|{tuning.KERNEL_REVISION}"
+    enc = TCABME.from_dense(random_sparse((128, 256), 0.5, torch.float16))
+    current = tuning._spmm_key(dev, enc, 1)
+    assert current.startswith(key + "|")
+    stale = current.replace(f"|{tuning.KERNEL_REVISION}|", "|k20|")
+    (table / "splits.json").write_text(json.dumps({stale: 6}))
+    assert tuning.spmm_splits(enc, 1, dev) == 0  # the planner's rule
+    tuning._loaded_from = None
+    (table / "splits.json").write_text(json.dumps({stale: 6, current: 3}))
+    assert tuning.spmm_splits(enc, 1, dev) == 3
+
+
 def test_compiled_graphs_take_the_split_rule(table, monkeypatch):
     # torch.compile cannot trace the table's file read, which a model compiled before any eager
     # call in its process met (fullgraph=True failed there): while tracing, the lookup finds nothing.

@@ -236,10 +236,10 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // the default register budget at BN <= 16 has it. SPINFER_ROW_TABLE=0 turns it off.
   p.row_table = row_table && budgets && p.lean && !p.count_rows && p.min_blocks == 7 &&
                 env_int("SPINFER_ROW_TABLE", 1) != 0;
-  // The warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg) at BN = 32 and 64 on sm_90 with the
-  // lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
-  // (SPINFER_WGMMA=0|1|2|3|4, A/B runs and tests) 1 or 2, 1 with one group in flight (3), or
-  // mma.sync (0). H100, same process, least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64
+  // The warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg) at BN = 32, 64 and 128 on sm_90 with
+  // the lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
+  // (SPINFER_WGMMA=0|1|2|3|4|5, A/B runs and tests) 1 or 2, 1 with one group in flight (3), plain
+  // groups of 4 (4), overlapped groups of 4 (5, at BN >= 64), or mma.sync (0). H100, same process, least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64
   // (seventy-sixth session, docs/kernels.md), geomean x cuBLAS at 50% / 70% sparsity: mma.sync
   // 0.963 / 0.996, groups of 1 1.068 / 1.153, the ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
   // At BN = 8 and 16 groups of 4 at the default register budget, with the row count or the row
@@ -248,13 +248,21 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // 50% sparsity 1.418 -> 1.452, 70% 1.527 -> 1.597 (N = 16 up to +10%, N = 1 0-3%; one case of
   // twenty-four slower, 14336x4096 N = 16 at 50%, 33.7 -> 34.8 us). SPINFER_WGMMA_SMALL=0, or
   // SPINFER_WGMMA=0 (mma.sync everywhere), keeps mma.sync there.
+  // At BN = 128 the groups of 4 overlap a stage's two GroupTiles (kWgPair): the second is decoded
+  // while the first's wgmma group runs, one wait a stage where plain groups of 4 wait before each
+  // decode (18% of the stall samples at N = 128). H100, same process, least of 2 rounds, 4 issue
+  // shapes x N = 128 / 256 (eighty-first session, docs/kernels.md): 11-15% faster in every case at
+  // 50% and 70% (28672x8192 N = 128 at 50%: 233.2 -> 209.8 us); at BN = 64 (N = 64) level, from 2.3%
+  // slower to 2.8% faster, so BN = 64 keeps plain groups. SPINFER_WGMMA=4 forces plain groups at
+  // BN = 128, and 5 the overlap at BN = 64 too.
   const bool wgmma_ok = p.bulk && p.lean && major == 9 && tensor_map_encoder() != nullptr;
+  const int forced_group = env_int("SPINFER_WGMMA", -1);  // < 0: the planner's
   if (p.bn >= 32) {
-    const int group = env_int("SPINFER_WGMMA", 4);
+    const int group = forced_group >= 0 ? forced_group : p.bn == 128 ? kWgPair : 4;
     // 3: kWgRing; 5: kWgPair (groups of 4 overlapping a stage's two GroupTiles, at BN >= 64)
     p.wgmma = !wgmma_ok || group <= 0 ? 0 : group == kWgPair && p.bn >= 64 ? kWgPair : group >= 4 ? 4 : group;
   } else {
-    const bool small = env_int("SPINFER_WGMMA", 4) > 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
+    const bool small = forced_group != 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
   if (p.bn == 128 && p.wgmma != 4 && p.wgmma != kWgPair) {  // BN = 128 exists as wgmma groups of 4 only (the group rule is BN = 64's)

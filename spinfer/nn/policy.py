@@ -62,14 +62,15 @@ class DeviceProfile:
     # the intercept and the slope of its time against GroupTiles through 4096x4096 and 16384x8192
     # at 50%, at N = BN (N > 128 pays the BN = 128 slope once per 128 tokens; where the kernel has
     # no 128-token tile, N = 128 runs two 64-token tiles, and the BN = 128 figures measure those;
-    # BN = 128's are the eightieth session's calibrate(), the 128-token tile's first). The fixed cost decides
+    # BN = 128's are the eighty-first session's calibrate(), the 128-token tile with a stage's two
+    # GroupTiles overlapping, SMBD v21). The fixed cost decides
     # small layers for dense (1024x4096: 10.5-11.6 us as SpMM, 9.6 dense). A single fixed cost for
     # every tile (the intercept at N = 1) and the slopes of SMBD v11 left the policy 1.21x slow
     # on kernel v19 (docs/policy.md, seventy-eighth session).
     spmm_fixed: Dict[int, float] = field(
-        default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6, 128: 15.6e-6})
+        default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6, 128: 15.4e-6})
     gt_cost: Dict[int, float] = field(
-        default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9, 128: 2.88e-9})
+        default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9, 128: 2.54e-9})
     # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call,
     # and the decode kernel's fixed cost: the slope and the intercept of its time against bytes
     # through 4096x4096 and 16384x8192 at 50% (the CUDA decode kernels on H100, `spinfer bench

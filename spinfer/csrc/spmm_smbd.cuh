@@ -254,6 +254,12 @@ __device__ __forceinline__ void decode_tctile(const uint4* pk, const uint16_t* v
   }
 }
 
+// This lane's half of a GroupTile's published pairs: lanes 0-15 read the low 32-bit half of each
+// BitmapTile word, lanes 16-31 the high one (see decode_gt), kPackStride apart.
+__device__ __forceinline__ const uint4* lane_pairs(const uint2* pack, int lane) {
+  return reinterpret_cast<const uint4*>(pack + (lane >> 4) * kPackStride);
+}
+
 // Decodes this warp's TCTile row of one GroupTile from its published pairs and multiplies it
 // into acc. pack: the pairs (half-major, kPackStride apart); vals/last: the run (lean: unused,
 // the pairs carry shared addresses); xa: this lane's ldmatrix row address in each n8 block of
@@ -266,8 +272,7 @@ __device__ __forceinline__ void decode_gt(const uint2* pack, const uint16_t* val
   // Lane geometry of the m16n8k16 fragments: group g = lane/4 owns row g (and g+8) of A; in a
   // BitmapTile word that row and column pair are bits 2*lane and 2*lane+1: lanes 0-15 read the
   // low 32-bit half, lanes 16-31 the high one.
-  const int hi = lane >> 4;
-  const uint4* pk = reinterpret_cast<const uint4*>(pack + hi * kPackStride);
+  const uint4* pk = lane_pairs(pack, lane);
 
 #pragma unroll
   for (int tt = 0; tt < 4; tt += 2) {
@@ -313,41 +318,34 @@ __device__ __forceinline__ void hold_accumulators(float (&acc)[BN / 8][4]) {
 constexpr int kWgRing = 3;  // SpmmPlan::wgmma: groups of 1 TCTile, one left in flight (decode_gt_wg_ring)
 constexpr int kWgPair = 5;  // SpmmPlan::wgmma: groups of 4, a stage's second decoded while the first multiplies
 
-// Decodes GroupTile gt's four TCTiles into `a` and issues their wgmma as one group, without waiting
-// for it (kWgPair): decode_stage decodes the stage's second GroupTile into another register set
-// while the first's group runs, and waits for both at the stage's end, before the block barrier
-// lets the producer refill the stage. At BN = 128 a group is 256 tensor-pipe cycles, and ncu on
-// groups of 4 put 18% of the stall samples on the wait after each one (eightieth session).
-template <bool kBF16, int BN>
-__device__ __forceinline__ void decode_gt_wg_issue(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt,
-                                                   int lane, uint32_t to_top, float (&acc)[BN / 8][4],
-                                                   uint32_t (&a)[4][4]) {
-  const uint4* pk = reinterpret_cast<const uint4*>(pack + (lane >> 4) * kPackStride);
+// Decodes TCTiles t0 .. t0 + kGroup - 1 of GroupTile gt into `a` and issues their wgmma as one
+// group, without waiting for it. decode_gt_wg waits for each group before the next decode
+// overwrites `a`. kWgPair calls it with a GroupTile's four TCTiles: decode_stage decodes the
+// stage's second GroupTile into another register set while the first's group runs, and waits for
+// both at the stage's end, before the block barrier lets the producer refill the stage. At
+// BN = 128 a group of 4 is 256 tensor-pipe cycles, and ncu on plain groups of 4 put 18% of the
+// stall samples on the wait after each one (eightieth session).
+template <bool kBF16, int BN, int kGroup>
+__device__ __forceinline__ void decode_group_issue(const uint4* pk, uint32_t x_desc, uint32_t desc_hi, int gt, int t0,
+                                                   uint32_t to_top, float (&acc)[BN / 8][4],
+                                                   uint32_t (&a)[kGroup][4]) {
 #pragma unroll
-  for (int t = 0; t < 4; ++t) decode_tctile<true>(pk, nullptr, 0, t, to_top, a[t]);
+  for (int t = 0; t < kGroup; ++t) decode_tctile<true>(pk, nullptr, 0, t0 + t, to_top, a[t]);
   hold_accumulators<BN>(acc);
   ptx::wgmma_fence();
 #pragma unroll
-  for (int t = 0; t < 4; ++t)  // k16 tile t of GroupTile gt: 32 t bytes into its rows
-    ptx::wgmma_m64k16<kBF16, BN>(acc, a[t], x_desc + (gt * BN * kGt * 2 + 32 * t) / 16, desc_hi);
+  for (int t = 0; t < kGroup; ++t)  // k16 tile t0 + t of GroupTile gt: 32 (t0 + t) bytes into its rows
+    ptx::wgmma_m64k16<kBF16, BN>(acc, a[t], x_desc + (gt * BN * kGt * 2 + 32 * (t0 + t)) / 16, desc_hi);
   ptx::wgmma_commit();
 }
 
 template <bool kBF16, int BN, int kGroup>
 __device__ __forceinline__ void decode_gt_wg(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt, int lane,
                                              uint32_t to_top, float (&acc)[BN / 8][4]) {
-  const uint4* pk = reinterpret_cast<const uint4*>(pack + (lane >> 4) * kPackStride);
 #pragma unroll
   for (int t0 = 0; t0 < 4; t0 += kGroup) {
     uint32_t a[kGroup][4];
-#pragma unroll
-    for (int t = 0; t < kGroup; ++t) decode_tctile<true>(pk, nullptr, 0, t0 + t, to_top, a[t]);
-    hold_accumulators<BN>(acc);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < kGroup; ++t)  // k16 tile t0 + t of GroupTile gt: 32 (t0 + t) bytes into its rows
-      ptx::wgmma_m64k16<kBF16, BN>(acc, a[t], x_desc + (gt * BN * kGt * 2 + 32 * (t0 + t)) / 16, desc_hi);
-    ptx::wgmma_commit();
+    decode_group_issue<kBF16, BN, kGroup>(lane_pairs(pack, lane), x_desc, desc_hi, gt, t0, to_top, acc, a);
     ptx::wgmma_wait<0>();
   }
   hold_accumulators<BN>(acc);
@@ -363,7 +361,7 @@ template <bool kBF16, int BN>
 __device__ __forceinline__ void decode_gt_wg_ring(const uint2* pack, uint32_t x_desc, uint32_t desc_hi, int gt,
                                                   int lane, uint32_t to_top, float (&acc)[BN / 8][4],
                                                   uint32_t (&a)[2][4]) {
-  const uint4* pk = reinterpret_cast<const uint4*>(pack + (lane >> 4) * kPackStride);
+  const uint4* pk = lane_pairs(pack, lane);
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
     decode_tctile<true>(pk, nullptr, 0, t, to_top, a[t & 1]);
@@ -445,8 +443,9 @@ __device__ __forceinline__ void decode_stage(const uint32_t* bm32, const uint16_
     asm volatile("" : "+r"(desc_hi));
     if constexpr (kWg == kWgPair) {
       uint32_t a0[4][4], a1[4][4];
-      decode_gt_wg_issue<kBF16, BN>(pack, x_desc, desc_hi, 0, lane, to_top, acc, a0);
-      if (pr.y >> 16 == kPair) decode_gt_wg_issue<kBF16, BN>(pack + kPackPerGt, x_desc, desc_hi, 1, lane, to_top, acc, a1);
+      decode_group_issue<kBF16, BN, 4>(lane_pairs(pack, lane), x_desc, desc_hi, 0, 0, to_top, acc, a0);
+      if (pr.y >> 16 == kPair)
+        decode_group_issue<kBF16, BN, 4>(lane_pairs(pack + kPackPerGt, lane), x_desc, desc_hi, 1, 0, to_top, acc, a1);
       ptx::wgmma_wait<0>();
       hold_accumulators<BN>(acc);
     } else if constexpr (kWg == kWgRing) {

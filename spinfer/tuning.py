@@ -40,7 +40,7 @@ _device_keys: Dict[int, str] = {}
 
 # The kernels' revision, part of every stored figure's key: a split factor, a calibrated device
 # profile or an autotuned choice measured the kernels of one build, and a kernel or planner change
-# (SMBD v21 runs N = 65-128 ~12% faster than v20) makes it wrong. Bumped with such a change, so
+# (SMBD v21 runs N = 65-256 11-15% faster than v20) makes it wrong. Bumped with such a change, so
 # figures stored by an earlier build are not used and the planners' rules and the defaults stand
 # until they are measured again.
 KERNEL_REVISION = "k21"

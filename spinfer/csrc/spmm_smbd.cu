@@ -239,8 +239,8 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // The warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg) at BN = 32, 64 and 128 on sm_90 with
   // the lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
   // (SPINFER_WGMMA=0|1|2|3|4|5, A/B runs and tests) 1 or 2, 1 with one group in flight (3), plain
-  // groups of 4 (4), overlapped groups of 4 (5, at BN >= 64), or mma.sync (0). H100, same process, least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64
-  // (seventy-sixth session, docs/kernels.md), geomean x cuBLAS at 50% / 70% sparsity: mma.sync
+  // groups of 4 (4), overlapped groups of 4 (5, at BN >= 64), or mma.sync (0). H100, same process,
+  // least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64 (seventy-sixth session, docs/kernels.md), geomean x cuBLAS at 50% / 70% sparsity: mma.sync
   // 0.963 / 0.996, groups of 1 1.068 / 1.153, the ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
   // At BN = 8 and 16 groups of 4 at the default register budget, with the row count or the row
   // table as the planner chose them. H100, same process, least of 2 rounds, 4 issue shapes x
@@ -265,7 +265,8 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
     const bool small = forced_group != 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
   }
-  if (p.bn == 128 && p.wgmma != 4 && p.wgmma != kWgPair) {  // BN = 128 exists as wgmma groups of 4 only (the group rule is BN = 64's)
+  // BN = 128 exists as wgmma groups of 4 only, plain or overlapped (the group rule is BN = 64's)
+  if (p.bn == 128 && p.wgmma != 4 && p.wgmma != kWgPair) {
     p.bn = 64;
     p.n_tiles = (n + p.bn - 1) / p.bn;
   }

@@ -240,8 +240,9 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // the lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
   // (SPINFER_WGMMA=0|1|2|3|4|5, A/B runs and tests) 1 or 2, 1 with one group in flight (3), plain
   // groups of 4 (4), overlapped groups of 4 (5, at BN >= 64), or mma.sync (0). H100, same process,
-  // least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64 (seventy-sixth session, docs/kernels.md), geomean x cuBLAS at 50% / 70% sparsity: mma.sync
-  // 0.963 / 0.996, groups of 1 1.068 / 1.153, the ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
+  // least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64 (seventy-sixth session, docs/kernels.md),
+  // geomean x cuBLAS at 50% / 70% sparsity: mma.sync 0.963 / 0.996, groups of 1 1.068 / 1.153, the
+  // ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
   // At BN = 8 and 16 groups of 4 at the default register budget, with the row count or the row
   // table as the planner chose them. H100, same process, least of 2 rounds, 4 issue shapes x
   // N = 1 / 8 / 16 (seventy-seventh session, docs/kernels.md), geomean x cuBLAS against mma.sync:

@@ -41,6 +41,8 @@ _module = None  # the extension's Python module: the eager entry points (csrc/ea
 
 
 def _source_hash() -> str:
+    """What the extension is built from (its sources, torch and the flags): the build's cache folder
+    and the key of every figure measured on its kernels (spinfer.tuning.kernel_revision)."""
     h = hashlib.sha256()
     for f in sorted(CSRC.iterdir()):
         if f.suffix in {".cu", ".cuh", ".cpp", ".h"}:

@@ -17,12 +17,14 @@ the kernel's token tile and tile count at N (the planners' tile rule, mirrored b
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
+from . import build
 from .cache import cache_root, read_all, write_entry
 
 _FILE = "splits.json"
@@ -38,19 +40,21 @@ _generation = 0  # bumped whenever the table may have changed (see generation)
 _device_keys: Dict[int, str] = {}
 
 
-# The kernels' revision, part of every stored figure's key: a split factor, a calibrated device
-# profile or an autotuned choice measured the kernels of one build, and a kernel or planner change
-# (SMBD v21 runs N = 65-256 11-15% faster than v20) makes it wrong. Bumped with such a change, so
-# figures stored by an earlier build are not used and the planners' rules and the defaults stand
-# until they are measured again.
-KERNEL_REVISION = "k21"
+@functools.lru_cache(maxsize=None)
+def kernel_revision() -> str:
+    """The kernels' revision, part of every stored figure's key: the hash the extension's build is
+    named by (its sources, torch, the flags). A split factor, a calibrated device profile or an
+    autotuned time measured one build's kernels, and a kernel or planner change makes it wrong
+    (SMBD v21 runs N = 65-256 11-15% faster than v20), so figures another build stored are not
+    used, and the planners' rules and the defaults stand until they are measured again."""
+    return build._source_hash()
 
 
 def device_key(device: torch.device) -> str:
     """What identifies a GPU for tuned figures: name, compute capability and SM count, and the
-    kernels' revision (KERNEL_REVISION)."""
+    kernels' revision (kernel_revision)."""
     props = torch.cuda.get_device_properties(device)
-    return f"{props.name}|sm{props.major}{props.minor}|{props.multi_processor_count}|{KERNEL_REVISION}"
+    return f"{props.name}|sm{props.major}{props.minor}|{props.multi_processor_count}|{kernel_revision()}"
 
 
 def _device_key_cached(device: torch.device) -> str:

@@ -80,8 +80,9 @@ def test_table_lookup_persistence_and_clear(table, monkeypatch):
 
 
 def test_figures_of_another_kernel_revision_are_not_used(table, monkeypatch):
-    """The device key names the kernels' revision: a split factor stored by an earlier build (its
-    kernels timed, not these) is not found, and one stored under this build's key is."""
+    """The device key names the kernels' revision (the extension build's source hash): a split factor
+    stored by another build (its kernels timed, not these) is not found, and one stored under this
+    build's key is."""
     import types
 
     props = types.SimpleNamespace(name="GPU-X", major=9, minor=0, multi_processor_count=132)
@@ -89,11 +90,12 @@ def test_figures_of_another_kernel_revision_are_not_used(table, monkeypatch):
     monkeypatch.setattr(tuning, "_device_keys", {})
     dev = torch.device("cuda", 0)
     key = tuning.device_key(dev)
-    assert key == f"GPU-X|sm90|132|{tuning.KERNEL_REVISION}"
+    revision = tuning.kernel_revision()
+    assert key == f"GPU-X|sm90|132|{revision}" and revision == spinfer.build.cache_dir().name[len("ext-"):]
     enc = TCABME.from_dense(random_sparse((128, 256), 0.5, torch.float16))
     current = tuning._spmm_key(dev, enc, 1)
     assert current.startswith(key + "|")
-    stale = current.replace(f"|{tuning.KERNEL_REVISION}|", "|k20|")
+    stale = current.replace(f"|{revision}|", "|0123456789abcdef|")  # another build's
     (table / "splits.json").write_text(json.dumps({stale: 6}))
     assert tuning.spmm_splits(enc, 1, dev) == 0  # the planner's rule
     tuning._loaded_from = None

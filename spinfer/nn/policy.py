@@ -159,8 +159,9 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     if key in _PROFILES:
         return _PROFILES[key]
     stored = read_entry(_PROFILE_FILE, key)
-    # a profile that another version of the model stored (other constants, or no figures for a token
-    # tile: those before the 128-token tile) is not used: the defaults stand until calibrate() runs again
+    # another build's profile is under another key (device_key names the kernels' revision); one whose
+    # fields or token tiles are not this model's (a file edited or written by other code) is not used
+    # either: the defaults stand until calibrate() runs again
     usable = bool(stored) and set(stored) == {f.name for f in fields(DeviceProfile)}
     if usable:
         for name in ("gt_cost", "spmm_fixed"):

@@ -305,14 +305,18 @@ def test_warp_group_two_rows_forced(monkeypatch):
         enc = TCABME.from_dense(random_sparse((4096, 4096), sparsity, torch.float16, device="cuda"))
         for n in (1, 8, 16, 32, 64):
             resident = {}
+            monkeypatch.setenv("SPINFER_WGMMA", "4")  # the rule compares plain groups of 4
             for rows in ("1", "2"):
                 monkeypatch.setenv("SPINFER_SMBD_ROWS", rows)
                 resident[rows] = spmm_plan(enc, n)["resident_blocks"]
             monkeypatch.delenv("SPINFER_SMBD_ROWS")
+            monkeypatch.delenv("SPINFER_WGMMA")
             plan = spmm_plan(enc, n)
             runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] in (4, 5)
             two = runs and plan["bn"] == 64 and 2 * resident["2"] > resident["1"]
             assert plan["rows"] == (2 if two else 1), (sparsity, n, resident)
+            # one row a block at BN = 64 takes the overlapped groups (kWgPair), two rows plain ones
+            assert not runs or plan["wgmma"] == (5 if plan["bn"] == 64 and not two else 4), plan
             taken.add(plan["rows"])
     assert taken == ({1, 2} if wgmma_can_run() else {1})  # the rule takes both somewhere on sm_90
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1: one row a block
@@ -472,8 +476,10 @@ def test_plan_reports_the_launch():
     for n, bn in [(1, 8), (9, 16), (17, 32), (32, 32), (33, 64), (300, 64)]:
         p = spmm_plan(enc, n)
         bn = 128 if bn == 64 and n > 64 and p["wgmma"] == 5 else bn  # sm_90's tile past 64 tokens
-        # groups of 4 up to 64 tokens, overlapped a stage (kWgPair) at the 128-token tile
-        assert p["wgmma"] == (5 if n > 64 else 4 if n > 16 else p["wgmma"]) or not wgmma_can_run(), p
+        # groups of 4 up to 64 tokens, overlapped a stage (kWgPair) at the 128-token tile and at
+        # 64 tokens where a block holds one GroupTile row
+        pair = n > 64 or (n > 32 and p["rows"] == 1)
+        assert p["wgmma"] == (5 if pair else 4 if n > 16 else p["wgmma"]) or not wgmma_can_run(), p
         assert (p["bn"], p["n_tiles"], p["grid_m"], p["grid_k"]) == (bn, -(-n // bn), 5, 23)
         assert p["lean"] and p["resident_blocks"] >= 1 and p["stages"] == 2
         assert p["splits"] * p["k_per_split"] >= 23 > (p["splits"] - 1) * p["k_per_split"]

@@ -253,9 +253,9 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // while the first's wgmma group runs, one wait a stage where plain groups of 4 wait before each
   // decode (18% of the stall samples at N = 128). H100, same process, least of 2 rounds, 4 issue
   // shapes x N = 128 / 256 (eighty-first session, docs/kernels.md): 11-15% faster in every case at
-  // 50% and 70% (28672x8192 N = 128 at 50%: 233.2 -> 209.8 us); at BN = 64 (N = 64) level, from 2.3%
-  // slower to 2.8% faster, so BN = 64 keeps plain groups. SPINFER_WGMMA=4 forces plain groups at
-  // BN = 128, and 5 the overlap at BN = 64 too.
+  // 50% and 70% (28672x8192 N = 128 at 50%: 233.2 -> 209.8 us). At BN = 64 they are taken where a
+  // block holds one GroupTile row (below). SPINFER_WGMMA=4 forces plain groups, 5 the overlap at
+  // BN >= 64.
   const bool wgmma_ok = p.bulk && p.lean && major == 9 && tensor_map_encoder() != nullptr;
   const int forced_group = env_int("SPINFER_WGMMA", -1);  // < 0: the planner's
   if (p.bn >= 32) {
@@ -296,6 +296,12 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
       if (resident_rows(2) > resident_rows(1)) p.rows = 2;
     }
   }
+  // At BN = 64 the overlapped groups (kWgPair) where a block holds one GroupTile row (the rule above
+  // gives 70% sparsity one): H100, same process, least of 2 rounds, 4 issue shapes x N = 40 / 64
+  // (eighty-first session, docs/kernels.md), geomean x cuBLAS 1.124 -> 1.144 at 70%, each of the 8
+  // cases faster (0.7-2.7%); with one row forced at 30% / 50%, 1.009 / 1.043 -> 1.018 / 1.053. With
+  // two rows they were slower (1.036 / 1.076 -> 1.030 / 1.061), so blocks of two rows keep plain groups.
+  if (forced_group < 0 && p.wgmma == 4 && p.bn == 64 && p.rows == 1) p.wgmma = kWgPair;
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);

@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import math
 import types
 
 import pytest
@@ -858,9 +859,30 @@ def test_spmm_model_by_token_tile():
     big = 10 << 30  # bytes that take longer than the decode
     assert P.predict(P.SPMM, m, k, 1, big, prof, ngt) == pytest.approx(
         prof.spmm_fixed[8] + (big + 2 * (m + k)) / prof.sparse_bandwidth)
-    # every token tile has its two constants
-    assert list(prof.spmm_fixed) == list(P.TOKEN_TILES) == list(prof.gt_cost)
-    assert all(prof.spmm_fixed[b] > 0 and prof.gt_cost[b] > 0 for b in P.TOKEN_TILES)
+    # every token tile has its two constants, at 50% and at 70% sparsity
+    for fixed, per_gt in ((prof.spmm_fixed, prof.gt_cost), (prof.spmm_fixed_70, prof.gt_cost_70)):
+        assert list(fixed) == list(P.TOKEN_TILES) == list(per_gt)
+        assert all(fixed[b] > 0 and per_gt[b] > 0 for b in P.TOKEN_TILES)
+
+
+def test_spmm_model_by_sparsity():
+    """The SpMM terms are the 50% constants up to 50% sparsity, the 70% ones from 70%, and linear
+    between; the other kernels do not depend on it."""
+    prof = P.DeviceProfile(spmm_fixed_70={b: 2e-6 * i for i, b in enumerate(P.TOKEN_TILES, 1)},
+                           gt_cost_70={b: 1e-10 * i for i, b in enumerate(P.TOKEN_TILES, 1)})
+    m, k, wb, ngt = 28672, 8192, 10 << 20, 57344
+    for n, bn in ((1, 8), (16, 16), (32, 32), (64, 64), (128, 128)):
+        at50 = prof.spmm_fixed[bn] + ngt * prof.gt_cost[bn]
+        at70 = prof.spmm_fixed_70[bn] + ngt * prof.gt_cost_70[bn]
+        assert at50 != pytest.approx(at70)
+        for sparsity, expect in ((0.0, at50), (0.3, at50), (0.5, at50), (0.6, (at50 + at70) / 2), (0.7, at70),
+                                 (0.999, at70)):
+            assert P.predict(P.SPMM, m, k, n, wb, prof, ngt, sparsity=sparsity) == pytest.approx(expect), (n, sparsity)
+    n = 300  # past 128 tokens the GroupTile term is paid per 128-token tile, at the sparsity's rate
+    assert P.predict(P.SPMM, m, k, n, wb, prof, ngt, sparsity=0.7) == pytest.approx(
+        prof.spmm_fixed_70[128] + 3 * ngt * prof.gt_cost_70[128])
+    for kern in (P.DENSE, P.DECODE_DENSE):
+        assert P.predict(kern, m, k, 8, wb, prof, sparsity=0.9) == P.predict(kern, m, k, 8, wb, prof, sparsity=0.1)
 
 
 def test_a_profile_stored_by_another_model_is_not_used(monkeypatch, tmp_path):
@@ -886,6 +908,14 @@ def test_a_profile_stored_by_another_model_is_not_used(monkeypatch, tmp_path):
     # one calibrated before the 128-token tile (no figures for it) is left alone too
     for name in ("spmm_fixed", "gt_cost"):
         del current[name][128]
+    write_entry(P._PROFILE_FILE, "gpu-x", current)
+    monkeypatch.setattr(P, "_PROFILES", {})
+    prof = P.profile_for(torch.device("cuda"))
+    assert prof.dense_bandwidth == P.DeviceProfile().dense_bandwidth and not prof.measured
+    # and one calibrated at 50% only (no 70% constants)
+    current = dataclasses.asdict(P.DeviceProfile(dense_bandwidth=1.5e12, measured=True))
+    for name in ("spmm_fixed_70", "gt_cost_70"):
+        del current[name]
     write_entry(P._PROFILE_FILE, "gpu-x", current)
     monkeypatch.setattr(P, "_PROFILES", {})
     prof = P.profile_for(torch.device("cuda"))
@@ -956,3 +986,18 @@ def test_lowbit_records_survive_dtype_conversions_and_loads_of_either_width(tmp_
     fresh = spinfer.load(nn.Sequential(nn.Linear(256, 70, bias=False).half()), tmp_path / "m.safetensors")
     got = fresh[0].weight_object()
     assert fresh[0].scale_zero.shape[-1] == 128 and torch.equal(got.dequantize(), frac.dequantize())
+
+
+@pytest.mark.cuda
+def test_calibrate_measures_each_tile_at_both_sparsities(monkeypatch, tmp_path):
+    """calibrate() measures every token tile's SpMM constants at 50% and at 70% sparsity, and the 70%
+    layers' GroupTiles (fewer values) cost no more than the 50% ones' at one token."""
+    monkeypatch.setenv("SPINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(P, "_PROFILES", {})
+    prof = P.calibrate(save=False)
+    assert prof.measured
+    for consts in (prof.spmm_fixed, prof.gt_cost, prof.spmm_fixed_70, prof.gt_cost_70):
+        assert set(consts) == set(P.TOKEN_TILES)
+        assert all(math.isfinite(v) and v >= 0 for v in consts.values()), consts
+    assert all(prof.gt_cost[b] > 0 and prof.gt_cost_70[b] > 0 for b in P.TOKEN_TILES)
+    assert prof.gt_cost_70[8] < 1.1 * prof.gt_cost[8], (prof.gt_cost, prof.gt_cost_70)

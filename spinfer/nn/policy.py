@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -71,6 +71,16 @@ class DeviceProfile:
         default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6, 128: 15.4e-6})
     gt_cost: Dict[int, float] = field(
         default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9, 128: 2.54e-9})
+    # The same two constants through the same two layers pruned to 70%. The kernel's launch is not
+    # the same at 70%: at N = 33-64 its blocks hold one GroupTile row and overlap a stage's two
+    # GroupTiles where at 50% they hold two rows, and its stage is shorter (SMBD v22). With the 50%
+    # constants alone the policy took decode+dense on 1024x4096 at 70%, N = 64, where SpMM was 1.14x
+    # faster (docs/policy.md, eighty-second session). Between 50% and 70% sparsity the model
+    # interpolates (spmm_terms); below 50% it takes the 50% figures, above 70% the 70% ones.
+    spmm_fixed_70: Dict[int, float] = field(
+        default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6, 128: 15.4e-6})
+    gt_cost_70: Dict[int, float] = field(
+        default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9, 128: 2.54e-9})
     # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call,
     # and the decode kernel's fixed cost: the slope and the intercept of its time against bytes
     # through 4096x4096 and 16384x8192 at 50% (the CUDA decode kernels on H100, `spinfer bench
@@ -104,22 +114,29 @@ class DeviceProfile:
         64-token tiles where the kernel has no 128-token tile)."""
         return spmm_tile(n)[0]
 
-    def gt_time(self, n: int) -> float:
-        """Seconds per GroupTile of the SMBD kernel's decode term at n tokens."""
-        return self.gt_cost[self.token_tile(n)] * (1 if n <= 128 else math.ceil(n / 128))
+    def spmm_terms(self, n: int, sparsity: float = 0.5) -> Tuple[float, float]:
+        """The SMBD kernel's fixed cost (s) and its decode term's seconds per GroupTile at n tokens
+        on a weight of this sparsity: the 50% constants up to 50%, the 70% ones from 70%, linear
+        between."""
+        bn = self.token_tile(n)
+        w = min(max((sparsity - 0.5) / 0.2, 0.0), 1.0)
+        fixed = (1 - w) * self.spmm_fixed[bn] + w * self.spmm_fixed_70[bn]
+        per_gt = (1 - w) * self.gt_cost[bn] + w * self.gt_cost_70[bn]
+        return fixed, per_gt * (1 if n <= 128 else math.ceil(n / 128))
 
 
 def predict(kernel: str, m: int, k: int, n: int, weight_bytes: int, profile: DeviceProfile,
-            num_group_tiles: int = 0, bits: int = 4) -> float:
-    """Predicted seconds of one call of ``kernel`` on an ``[m, k]`` layer with ``n`` tokens."""
+            num_group_tiles: int = 0, bits: int = 4, sparsity: float = 0.5) -> float:
+    """Predicted seconds of one call of ``kernel`` on an ``[m, k]`` layer with ``n`` tokens
+    (``sparsity``: the TCA-BME weight's, for SpMM)."""
     io = 2 * n * (m + k)  # fp16 activations in and out
     dense_compute = 2.0 * m * k * n / profile.tensor_flops
     dense = max((2 * m * k + io) / profile.dense_bandwidth, dense_compute) + profile.launch
     if kernel == DENSE:
         return dense
     if kernel == SPMM:
-        return (max((weight_bytes + io) / profile.sparse_bandwidth, num_group_tiles * profile.gt_time(n))
-                + profile.spmm_fixed[profile.token_tile(n)])
+        fixed, per_gt = profile.spmm_terms(n, sparsity)
+        return max((weight_bytes + io) / profile.sparse_bandwidth, num_group_tiles * per_gt) + fixed
     decode_dense = _decode_then_dense(m, k, weight_bytes, io, dense_compute, profile)
     if kernel == DECODE_DENSE:
         return decode_dense
@@ -164,7 +181,7 @@ def profile_for(device: Optional[torch.device] = None) -> DeviceProfile:
     # either: the defaults stand until calibrate() runs again
     usable = bool(stored) and set(stored) == {f.name for f in fields(DeviceProfile)}
     if usable:
-        for name in ("gt_cost", "spmm_fixed"):
+        for name in ("gt_cost", "spmm_fixed", "gt_cost_70", "spmm_fixed_70"):
             stored[name] = {int(b): v for b, v in stored[name].items()}
             usable = usable and set(stored[name]) == set(TOKEN_TILES)
     if usable:
@@ -194,25 +211,28 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     flops = 2.0 * m * k * 4096 / tl
     tiny = torch.randn(64, 64, device=dev).half()
     launch = median_time(lambda: torch.nn.functional.linear(tiny[:1], tiny), dev, reps=50, flush_l2=False)
-    w[torch.rand(m, k, device=dev) < 0.5] = 0
-    enc = TCABME.from_dense(w)
-    ngt, large_bytes = enc.geometry.num_group_tiles, enc.storage_bytes().total
     # Each token tile's SpMM fixed cost and per-GroupTile cost: the intercept and the slope of the
-    # line through two 50% layers' times at N = BN, 4096x4096 and the large one. (A 1024x4096
-    # layer's own time, used for the fixed cost before, overstated it: its few blocks stream
-    # slowly, and 4096x4096 stayed dense where SpMM is 10% faster on H100.)
+    # line through two layers' times at N = BN, 4096x4096 and the large one, at 50% sparsity and
+    # again at 70%. (A 1024x4096 layer's own time, used for the fixed cost before, overstated it:
+    # its few blocks stream slowly, and 4096x4096 stayed dense where SpMM is 10% faster on H100.)
     small = torch.randn(4096, 4096, device=dev).half()
-    small[torch.rand(4096, 4096, device=dev) < 0.5] = 0
-    small_enc = TCABME.from_dense(small)
-    small_ngt, small_bytes = small_enc.geometry.num_group_tiles, small_enc.storage_bytes().total
+    keep, keep_small = torch.rand(m, k, device=dev), torch.rand(4096, 4096, device=dev)
     xs = torch.randn(1, 4096, device=dev).half()
-    spmm_fixed, gt_cost = {}, {}
-    for bn in TOKEN_TILES:
-        xb, xbs = torch.randn(bn, k, device=dev).half(), torch.randn(bn, 4096, device=dev).half()
-        t_large = median_time(lambda: spmm(xb, enc), dev, reps=20)
-        t_small = median_time(lambda: spmm(xbs, small_enc), dev, reps=30)
-        gt_cost[bn] = max((t_large - t_small) / (ngt - small_ngt), 0.0)
-        spmm_fixed[bn] = max(t_small - gt_cost[bn] * small_ngt, 0.0)
+    constants = {}
+    for sparsity in (0.7, 0.5):  # 50% last: its layers are the ones used below
+        enc = TCABME.from_dense(torch.where(keep < sparsity, 0, w))
+        small_enc = TCABME.from_dense(torch.where(keep_small < sparsity, 0, small))
+        ngt, large_bytes = enc.geometry.num_group_tiles, enc.storage_bytes().total
+        small_ngt, small_bytes = small_enc.geometry.num_group_tiles, small_enc.storage_bytes().total
+        spmm_fixed, gt_cost = {}, {}
+        for bn in TOKEN_TILES:
+            xb, xbs = torch.randn(bn, k, device=dev).half(), torch.randn(bn, 4096, device=dev).half()
+            t_large = median_time(lambda: spmm(xb, enc), dev, reps=20)
+            t_small = median_time(lambda: spmm(xbs, small_enc), dev, reps=30)
+            gt_cost[bn] = max((t_large - t_small) / (ngt - small_ngt), 0.0)
+            spmm_fixed[bn] = max(t_small - gt_cost[bn] * small_ngt, 0.0)
+        constants[sparsity] = spmm_fixed, gt_cost
+    spmm_fixed, gt_cost = constants[0.5]
     # the decode kernel: bandwidth and fixed cost from the same two layers
     td = median_time(enc.to_dense, dev, reps=5)
     td_small = median_time(small_enc.to_dense, dev, reps=20)
@@ -221,7 +241,8 @@ def calibrate(device=None, *, save: bool = True) -> DeviceProfile:
     decode_launch = max(td_small - decoded_small / decode_bw, 0.0)
     prof = DeviceProfile(name=torch.cuda.get_device_name(dev), dense_bandwidth=dense_bw,
                          sparse_bandwidth=large_bytes / (gt_cost[8] * ngt), tensor_flops=flops,
-                         launch=launch, spmm_fixed=spmm_fixed, gt_cost=gt_cost, decode_bandwidth=decode_bw,
+                         launch=launch, spmm_fixed=spmm_fixed, gt_cost=gt_cost, spmm_fixed_70=constants[0.7][0],
+                         gt_cost_70=constants[0.7][1], decode_bandwidth=decode_bw,
                          decode_launch=decode_launch,
                          l2_bytes=float(torch.cuda.get_device_properties(dev).L2_cache_size), measured=True)
     # Decode+dense as one call: chain_launch from the large layer (decoded far past L2), then

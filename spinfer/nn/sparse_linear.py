@@ -193,7 +193,8 @@ class SparseLinear(nn.Module):
         prof = P.profile_for(weight.device)
         options = {
             "dense": P.predict(P.DENSE, m, k, 1, 2 * m * k, prof),
-            "tca-bme": P.predict(P.SPMM, m, k, 1, enc.storage_bytes().total, prof, enc.geometry.num_group_tiles),
+            "tca-bme": P.predict(P.SPMM, m, k, 1, enc.storage_bytes().total, prof, enc.geometry.num_group_tiles,
+                                 sparsity=enc.sparsity),
         }
         low = None
         if quant is not None:
@@ -335,7 +336,9 @@ class SparseLinear(nn.Module):
         w = self.weight_object()
         ngt = w.geometry.num_group_tiles if self.format == "tca-bme" else 0
         bits = w.bits if self.format == "lowbit" else 4
-        return {kern: P.predict(kern, m, k, n, self.memory_bytes(), prof, ngt, bits) for kern in self.candidates()}
+        sparsity = self.sparsity if self.format == "tca-bme" else 0.0
+        return {kern: P.predict(kern, m, k, n, self.memory_bytes(), prof, ngt, bits, sparsity)
+                for kern in self.candidates()}
 
     def _device(self) -> torch.device:
         return self._state().device
@@ -371,7 +374,9 @@ class SparseLinear(nn.Module):
             m, k = self.out_features, self.in_features
             w = held.weight
             ngt = w.geometry.num_group_tiles if self.format == "tca-bme" else 0
-            times = {kern: P.predict(kern, m, k, bucket, self.memory_bytes(), prof, ngt) for kern in kernels}
+            sparsity = 1.0 - self._aux[3] / (m * k) if self.format == "tca-bme" else 0.0
+            times = {kern: P.predict(kern, m, k, bucket, self.memory_bytes(), prof, ngt, sparsity=sparsity)
+                     for kern in kernels}
             return min(times, key=times.get)
         if self.policy == "autotune" and key not in self._measured:
             # measured once per (device, format, shape, nonzeros, bucket), kept across processes

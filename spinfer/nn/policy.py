@@ -73,14 +73,16 @@ class DeviceProfile:
         default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9, 128: 2.54e-9})
     # The same two constants through the same two layers pruned to 70%. The kernel's launch is not
     # the same at 70%: at N = 33-64 its blocks hold one GroupTile row and overlap a stage's two
-    # GroupTiles where at 50% they hold two rows, and its stage is shorter (SMBD v22). With the 50%
-    # constants alone the policy took decode+dense on 1024x4096 at 70%, N = 64, where SpMM was 1.14x
-    # faster (docs/policy.md, eighty-second session). Between 50% and 70% sparsity the model
-    # interpolates (spmm_terms); below 50% it takes the 50% figures, above 70% the 70% ones.
+    # GroupTiles, where at 50% they hold two rows, and its stage is shorter. With the 50% constants
+    # alone the policy took decode+dense on 1024x4096 at 70%, N = 64, where SpMM was 1.14x faster;
+    # with both it picked the fastest kernel in 144 of 144 cases (docs/policy.md, eighty-second
+    # session). Between 50% and 70% sparsity the model interpolates (spmm_terms); below 50% it takes
+    # the 50% figures, above 70% the 70% ones. H100, calibrate() on SMBD v22: at N = 33-64 12.0 us
+    # and 1.98 ns a GroupTile, against 16.1 us and 1.93 ns at 50%.
     spmm_fixed_70: Dict[int, float] = field(
-        default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 12.8e-6, 64: 15.8e-6, 128: 15.4e-6})
+        default_factory=lambda: {8: 8.5e-6, 16: 9.2e-6, 32: 12.6e-6, 64: 12.0e-6, 128: 15.6e-6})
     gt_cost_70: Dict[int, float] = field(
-        default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.82e-9, 64: 1.96e-9, 128: 2.54e-9})
+        default_factory=lambda: {8: 1.38e-9, 16: 1.50e-9, 32: 1.62e-9, 64: 1.98e-9, 128: 2.36e-9})
     # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call,
     # and the decode kernel's fixed cost: the slope and the intercept of its time against bytes
     # through 4096x4096 and 16384x8192 at 50% (the CUDA decode kernels on H100, `spinfer bench

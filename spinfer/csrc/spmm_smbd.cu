@@ -297,10 +297,11 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
     }
   }
   // At BN = 64 the overlapped groups (kWgPair) where a block holds one GroupTile row (the rule above
-  // gives 70% sparsity one): H100, same process, least of 2 rounds, 4 issue shapes x N = 40 / 64
-  // (eighty-first session, docs/kernels.md), geomean x cuBLAS 1.124 -> 1.144 at 70%, each of the 8
-  // cases faster (0.7-2.7%); with one row forced at 30% / 50%, 1.009 / 1.043 -> 1.018 / 1.053. With
-  // two rows they were slower (1.036 / 1.076 -> 1.030 / 1.061), so blocks of two rows keep plain groups.
+  // gives 70% sparsity one): H100, same process, least of 2 rounds, 4 issue shapes x N = 40 / 64,
+  // geomean x cuBLAS 1.124 -> 1.144 at 70% (eighty-first session, docs/kernels.md), and with the rule
+  // against SPINFER_WGMMA=4 on the next lease 1.127 -> 1.143, each of the 8 cases 0.9-2.4% faster
+  // (eighty-second); with one row forced at 30% / 50%, 1.009 / 1.043 -> 1.018 / 1.053. With two rows
+  // they were slower (1.036 / 1.076 -> 1.030 / 1.061), so blocks of two rows keep plain groups.
   if (forced_group < 0 && p.wgmma == 4 && p.bn == 64 && p.rows == 1) p.wgmma = kWgPair;
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);

@@ -311,11 +311,15 @@ class SparseLinear(nn.Module):
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
 
+    def _counted_sparsity(self) -> float:
+        """A TCA-BME layer's sparsity from the nonzeros its last _state() counted."""
+        return 1.0 - self._aux[3] / (self.out_features * self.in_features)
+
     @property
     def sparsity(self) -> float:
         if self.format == "tca-bme":
             self._state()  # (counts the nonzeros of arrays assigned since the last call)
-            return 1.0 - self._aux[3] / (self.out_features * self.in_features)
+            return self._counted_sparsity()
         if self.format == "dense":
             w = self.weight  # +0.0 only, as TCA-BME, in whatever float dtype the layer was given
             return float(((w == 0) & ~torch.signbit(w)).float().mean())
@@ -374,7 +378,7 @@ class SparseLinear(nn.Module):
             m, k = self.out_features, self.in_features
             w = held.weight
             ngt = w.geometry.num_group_tiles if self.format == "tca-bme" else 0
-            sparsity = 1.0 - self._aux[3] / (m * k) if self.format == "tca-bme" else 0.0
+            sparsity = self._counted_sparsity() if self.format == "tca-bme" else 0.0  # held: counted
             times = {kern: P.predict(kern, m, k, bucket, self.memory_bytes(), prof, ngt, sparsity=sparsity)
                      for kern in kernels}
             return min(times, key=times.get)

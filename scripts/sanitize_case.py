@@ -54,9 +54,10 @@ SPMM_CASES = [
 # the 128-token tile (SPINFER_BN=128, wgmma groups of 4): one and two GroupTile rows, partial tiles, split
 BN128_CASES = [(300, 1450, 100, "2", "3", "lean", "7", "0", "0", "4", "1"), (4097, 1000, 129, "1", "2", "lean", "7", "0", "0", "4", "1"),
                (4097, 1000, 200, "3", "2", "lean", "7", "0", "0", "4", "2"), (640, 1000, 65, "2", "2", "lean", "7", "0", "0", "4", "2")]
-# a stage's two GroupTiles' wgmma overlapping (SPINFER_WGMMA=5) at the planner's tile: 128 and 64, one and two rows
+# a stage's two GroupTiles' wgmma overlapping (SPINFER_WGMMA=5) at the planner's tile: 128, 64 and 32, one and two rows
 PAIR_CASES = [(300, 1450, 130, "2", "3", "lean", "7", "0", "0", "5", "1"), (4097, 1000, 100, "1", "2", "lean", "7", "0", "0", "5", "2"),
-              (4097, 1000, 64, "3", "2", "lean", "7", "0", "0", "5", "2"), (300, 1450, 40, "1", "2", "lean", "7", "0", "0", "5", "1")]
+              (4097, 1000, 64, "3", "2", "lean", "7", "0", "0", "5", "2"), (300, 1450, 40, "1", "2", "lean", "7", "0", "0", "5", "1"),
+              (4097, 1000, 24, "2", "2", "lean", "7", "0", "0", "5", "1"), (300, 1450, 32, "1", "3", "lean", "7", "0", "0", "5", "2")]
 for (m, k, n, splits, stages, decode, budget, count, stagger, wgmma, rows), bn in (
         [(case, "0") for case in SPMM_CASES if "spmm" in PARTS] + [(case, "128") for case in BN128_CASES if "bn128" in PARTS]
         + [(case, "0") for case in PAIR_CASES if "pair" in PARTS]):

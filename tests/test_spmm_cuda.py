@@ -187,7 +187,7 @@ def wgmma_can_run():
 def test_warp_group_mma_forced(monkeypatch, wgmma):
     """The sm_90 kernel at BN = 32, 64 and 128 on wgmma, one, two or four TCTiles a group, one a group
     with one group left in flight (3), four with a stage's second GroupTile decoded while the first
-    multiplies (5, at BN >= 64; groups of 4 at BN = 32), or on mma.sync (SPINFER_WGMMA): the float64
+    multiplies (5), or on mma.sync (SPINFER_WGMMA): the float64
     check holds and the results agree with mma.sync's to fp32
     rounding (the two accumulate in different orders), for tiles of fewer tokens than BN (whose
     x slice has rows no copy writes), partial last tiles, split and unsplit, 2 and 3 stages, a stage
@@ -210,7 +210,7 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
                     plan = spmm_plan(enc, n, dtype=dtype)
                     runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
                     assert runs or not wgmma_can_run(), plan
-                    group = 4 if wgmma == "5" and plan["bn"] < 64 else int(wgmma)
+                    group = int(wgmma)
                     assert plan["wgmma"] == (group if runs else 0), plan
                     tile = 128 if runs and n > 64 and group in (4, 5) else min(1 << (n - 1).bit_length(), 64)
                     assert plan["bn"] == tile, plan  # (N = 17-100 here)
@@ -223,11 +223,12 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
         runs = plan["bulk"] and plan["lean"] and plan["min_blocks"] == 7 and wgmma != "0"
         assert plan["wgmma"] == (4 if runs else 0), plan
     monkeypatch.delenv("SPINFER_WGMMA")
-    for n in (1, 8, 16, 32, 64):  # by default groups of a GroupTile's 4 TCTiles, wherever the variant runs
-        plan = spmm_plan(enc, n)
+    for n in (1, 8, 16, 32, 64):  # by default groups of a GroupTile's 4 TCTiles, wherever the variant runs,
+        plan = spmm_plan(enc, n)  # overlapped (5) at BN = 32 where split (this grid of 5 rows always is)
         runs = plan["bulk"] and plan["lean"] and (plan["bn"] >= 32 or plan["min_blocks"] == 7)
         assert runs or not wgmma_can_run(), plan
-        assert plan["wgmma"] == (4 if runs else 0), plan
+        pair = plan["bn"] == 32 or (plan["bn"] == 64 and plan["rows"] == 1)
+        assert plan["wgmma"] == ((5 if pair else 4) if runs else 0), plan
 
 
 def test_warp_group_mma_small_tiles(monkeypatch):
@@ -315,13 +316,40 @@ def test_warp_group_two_rows_forced(monkeypatch):
             runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] in (4, 5)
             two = runs and plan["bn"] == 64 and 2 * resident["2"] > resident["1"]
             assert plan["rows"] == (2 if two else 1), (sparsity, n, resident)
-            # one row a block at BN = 64 takes the overlapped groups (kWgPair), two rows plain ones
-            assert not runs or plan["wgmma"] == (5 if plan["bn"] == 64 and not two else 4), plan
+            # one row a block at BN = 64 takes the overlapped groups (kWgPair), two rows plain ones;
+            # BN = 32 takes them where the grid is split (this one of 64 GroupTile rows always is)
+            pair = (plan["bn"] == 64 and not two) or plan["bn"] == 32
+            assert not runs or plan["wgmma"] == (5 if pair else 4), plan
             taken.add(plan["rows"])
     assert taken == ({1, 2} if wgmma_can_run() else {1})  # the rule takes both somewhere on sm_90
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1: one row a block
     monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
     assert all(spmm_plan(enc, n)["rows"] == 1 for n in (32, 64))
+
+
+def test_overlap_at_bn32_where_the_grid_is_split(monkeypatch):
+    """At 17-32 tokens (BN = 32) the planner takes the overlapped wgmma groups (kWgPair) where the
+    split rule gives their grid more than one split, else plain groups of 4: a 4096x4096 weight
+    (64 GroupTile rows, split) and a 65536x1024 one (1024 rows of 16 GroupTiles, more than a round
+    of resident blocks unsplit). A forced split count does not move the choice."""
+    taken = set()
+    for shape in ((4096, 4096), (65536, 1024)):
+        enc = TCABME.from_dense(random_sparse(shape, 0.5, torch.float16, device="cuda"))
+        for n in (24, 32):
+            monkeypatch.setenv("SPINFER_WGMMA", "5")
+            pair_splits = spmm_plan(enc, n)["splits"]
+            monkeypatch.delenv("SPINFER_WGMMA")
+            plan = spmm_plan(enc, n)
+            runs = plan["bulk"] and plan["lean"] and plan["wgmma"] in (4, 5)
+            assert runs or not wgmma_can_run(), plan
+            assert plan["bn"] == 32 and plan["rows"] == 1, plan
+            if runs:
+                assert plan["wgmma"] == (5 if pair_splits > 1 else 4), (shape, n, pair_splits, plan)
+                taken.add(plan["wgmma"])
+            monkeypatch.setenv("SPINFER_SPLITS", "3")
+            assert spmm_plan(enc, n)["wgmma"] == plan["wgmma"], (shape, n)
+            monkeypatch.delenv("SPINFER_SPLITS")
+    assert taken == ({4, 5} if wgmma_can_run() else set())  # both somewhere on sm_90
 
 
 @pytest.mark.parametrize("rows", ["1", "2"])
@@ -476,9 +504,10 @@ def test_plan_reports_the_launch():
     for n, bn in [(1, 8), (9, 16), (17, 32), (32, 32), (33, 64), (300, 64)]:
         p = spmm_plan(enc, n)
         bn = 128 if bn == 64 and n > 64 and p["wgmma"] == 5 else bn  # sm_90's tile past 64 tokens
-        # groups of 4 up to 64 tokens, overlapped a stage (kWgPair) at the 128-token tile and at
-        # 64 tokens where a block holds one GroupTile row
-        pair = n > 64 or (n > 32 and p["rows"] == 1)
+        # groups of 4 up to 16 tokens, overlapped a stage (kWgPair) at the 128-token tile, at 64
+        # tokens where a block holds one GroupTile row and at 32 where the grid is split (this one
+        # of 5 GroupTile rows always is)
+        pair = n > 64 or (n > 32 and p["rows"] == 1) or 16 < n <= 32
         assert p["wgmma"] == (5 if pair else 4 if n > 16 else p["wgmma"]) or not wgmma_can_run(), p
         assert (p["bn"], p["n_tiles"], p["grid_m"], p["grid_k"]) == (bn, -(-n // bn), 5, 23)
         assert p["lean"] and p["resident_blocks"] >= 1 and p["stages"] == 2

@@ -239,7 +239,7 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // The warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg) at BN = 32, 64 and 128 on sm_90 with
   // the lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
   // (SPINFER_WGMMA=0|1|2|3|4|5, A/B runs and tests) 1 or 2, 1 with one group in flight (3), plain
-  // groups of 4 (4), overlapped groups of 4 (5, at BN >= 64), or mma.sync (0). H100, same process,
+  // groups of 4 (4), overlapped groups of 4 (5), or mma.sync (0). H100, same process,
   // least of 2 rounds, 4 issue shapes x N = 24 / 32 / 64 (seventy-sixth session, docs/kernels.md),
   // geomean x cuBLAS at 50% / 70% sparsity: mma.sync 0.963 / 0.996, groups of 1 1.068 / 1.153, the
   // ring 1.046 / 1.134, groups of 4 1.121 / 1.192.
@@ -254,14 +254,14 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // decode (18% of the stall samples at N = 128). H100, same process, least of 2 rounds, 4 issue
   // shapes x N = 128 / 256 (eighty-first session, docs/kernels.md): 11-15% faster in every case at
   // 50% and 70% (28672x8192 N = 128 at 50%: 233.2 -> 209.8 us). At BN = 64 they are taken where a
-  // block holds one GroupTile row (below). SPINFER_WGMMA=4 forces plain groups, 5 the overlap at
-  // BN >= 64.
+  // block holds one GroupTile row, and at BN = 32 where their grid is split (below). SPINFER_WGMMA=4
+  // forces plain groups, 5 the overlap.
   const bool wgmma_ok = p.bulk && p.lean && major == 9 && tensor_map_encoder() != nullptr;
   const int forced_group = env_int("SPINFER_WGMMA", -1);  // < 0: the planner's
   if (p.bn >= 32) {
     const int group = forced_group >= 0 ? forced_group : p.bn == 128 ? kWgPair : 4;
-    // 3: kWgRing; 5: kWgPair (groups of 4 overlapping a stage's two GroupTiles, at BN >= 64)
-    p.wgmma = !wgmma_ok || group <= 0 ? 0 : group == kWgPair && p.bn >= 64 ? kWgPair : group >= 4 ? 4 : group;
+    // 3: kWgRing; 5: kWgPair (groups of 4 overlapping a stage's two GroupTiles)
+    p.wgmma = !wgmma_ok || group <= 0 ? 0 : group == kWgPair ? kWgPair : group >= 4 ? 4 : group;
   } else {
     const bool small = forced_group != 0 && env_int("SPINFER_WGMMA_SMALL", 1) > 0;
     p.wgmma = wgmma_ok && p.min_blocks == 7 && small ? 4 : 0;
@@ -303,6 +303,22 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // (eighty-second); with one row forced at 30% / 50%, 1.009 / 1.043 -> 1.018 / 1.053. With two rows
   // they were slower (1.036 / 1.076 -> 1.030 / 1.061), so blocks of two rows keep plain groups.
   if (forced_group < 0 && p.wgmma == 4 && p.bn == 64 && p.rows == 1) p.wgmma = kWgPair;
+  // At BN = 32 the overlapped groups where the split rule splits their grid. They hold 74 registers
+  // to plain groups' 58 (sm_90a fp16): 4 resident blocks where plain groups keep 5-6 at 50-70%. With
+  // the same split count they ran 5-8% faster on the 4096-wide layers (H100, same process, least of
+  // 2 rounds, 4 issue shapes x N = 24 / 32, eighty-third session, docs/kernels.md: 4096x14336 N = 24
+  // at 70% 36.8 -> 34.5 us). On 28672x8192 at 50-70% the rule gives them one split (448 blocks: 3 or
+  // 4 blocks of 128 GroupTiles an SM, so some SMs work a third longer) where plain groups' 5-6
+  // resident blocks get 4-5 (1792-2240 blocks of 26-32 GroupTiles): 108.3 -> 119.2 us at 70%, and
+  // 110.9 with 5 splits forced. So an unsplit grid keeps plain groups. The rule against plain groups
+  // everywhere, 7 layers x N = 24 / 32 (the four issue shapes, 28672x4096, 4096x4096, 6144x4096),
+  // geomean x cuBLAS: 30% 1.022 -> 1.042, 50% 1.111 -> 1.162, 70% 1.165 -> 1.206; no case slower
+  // past the A/B's noise (4096x4096 N = 32 at 50%: 20.5 -> 18.8 us).
+  if (forced_group < 0 && p.wgmma == 4 && p.bn == 32 && p.rows == 1) {
+    SpmmPlan q = p;
+    q.wgmma = kWgPair;
+    if (splits_cached(q, bf16, device, n, sms) > 1) p.wgmma = kWgPair;
+  }
   int splits = 0;
   if (const int forced = env_int("SPINFER_SPLITS", 0); forced > 0) splits = std::min(forced, p.grid_k);
   if (splits_wanted > 0) splits = std::min(splits_wanted, p.grid_k);

@@ -840,10 +840,9 @@ auto kernel_for(const SpmmPlan& plan) {
         if (plan.wgmma == 4)
           return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4, 2>
                                 : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;
-        if constexpr (BN == 64)
-          if (plan.wgmma == kWgPair)
-            return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgPair, 2>
-                                  : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgPair>;
+        if (plan.wgmma == kWgPair)
+          return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgPair, 2>
+                                : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgPair>;
         if (plan.wgmma == kWgRing) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, kWgRing>;
         if (plan.wgmma == 2) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 2>;
         return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 1>;

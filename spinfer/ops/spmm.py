@@ -217,8 +217,9 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     (at ``bn`` = 8 where it does not count rows), and ``row_table``: whether the decoding warps read
     the rows above their own from the weight's row table (``TCABME.row_offset``) instead, and
     ``wgmma``: the TCTiles of one warp-group MMA group in the sm_90 kernel at ``bn`` >= 32
-    (4 by default; 5 at ``bn`` = 128, and at 64 where a block holds one GroupTile row: groups of 4 where
-    a stage's second GroupTile is decoded while the first one's group multiplies; 1, 2, or 3 for groups
+    (4 by default; 5 at ``bn`` = 128, at 64 where a block holds one GroupTile row and at 32 where the split
+    rule splits the grid of that kernel: groups of 4 where a stage's second GroupTile is decoded while the
+    first one's group multiplies; 1, 2, or 3 for groups
     of 1 with one left in flight, or 4 or 5 forced, through ``SPINFER_WGMMA``), or 0 where it runs
     ``mma.sync``; at ``bn`` = 8 and 16 it is 4 at the default register budget (``min_blocks`` 7) unless
     ``SPINFER_WGMMA_SMALL=0`` or ``SPINFER_WGMMA=0``, else 0; ``rows``: the

@@ -544,22 +544,29 @@ def plan_of(m, k, max_run, n, dtype=torch.float16, splits=0):
     return dict(zip(PLAN_FIELDS, torch.ops.spinfer.spmm_plan(x, m, k, max_run, splits)))
 
 
-def rule_splits(m, k, max_run, n, dtype, fixed=4.0, cap=None):
+def rule_splits(m, k, max_run, n, dtype, fixed=4.0, cap=None, v23=False):
     """The planner's split rule written out from its definition (docs/kernels.md, spmm_smbd.cu):
     over split counts s, GroupTiles per split kps = ceil(grid_k / s) rounded up to a pair (when
     split), at least min(28, grid_k / 8) of them. For the sm_90 loader's 8-token tile where the value
-    buffer holds at least 45% of a GroupTile (the streaming cap): the most splits, in that order,
-    whose grid has at most 4 blocks per SM and fits the resident slots, if the unsplit grid does
-    (`cap`, blocks per SM, overrides the 4; 0: none). Otherwise the cost rule:
-    (kps + fixed) x ceil(blocks / (resident blocks per SM x SMs)), the first least cost wins. Each
-    candidate's resident blocks come from the planner's own plan with that factor forced; a block
-    holds the plan's GroupTile rows (1 or 2)."""
+    buffer holds at least 45% of a GroupTile, and its 16-token tile where it holds at least 60% (the
+    streaming cap): the most splits, in that order, whose grid has at most 4 blocks per SM and fits
+    the resident slots, if the unsplit grid does (`cap`, blocks per SM, overrides the 4; 0: none).
+    Otherwise the cost rule: (kps + fixed) x ceil(blocks / (resident blocks per SM x SMs)), or, for
+    the sm_90 loader's 8- and 16-token tiles where the value buffer holds at most 40% of a GroupTile
+    (decode-bound), (kps + 10) x blocks / slots + kps; the first least cost wins. Each candidate's
+    resident blocks come from the planner's own plan with that factor forced; a block holds the
+    plan's GroupTile rows (1 or 2). `v23`: the rule of kernel v23 (SPINFER_SPLIT_RULE=23), without
+    the 16-token cap and the decode-bound cost."""
     plan = lambda splits: plan_of(m, k, max_run, n, dtype, splits)
     auto = plan(0)
     grid_k, base = auto["grid_k"], -(-auto["grid_m"] // auto["rows"]) * auto["n_tiles"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gt_values = 64 * 64
     if cap is None:
-        cap = 4.0 if auto["bulk"] and auto["bn"] == 8 and auto["value_cap"] >= 0.45 * 64 * 64 else 0.0
+        streams = (auto["bn"] == 8 and auto["value_cap"] >= 0.45 * gt_values
+                   or not v23 and auto["bn"] == 16 and auto["value_cap"] >= 0.6 * gt_values)
+        cap = 4.0 if auto["bulk"] and streams else 0.0
+    fluid = not v23 and auto["bulk"] and auto["bn"] <= 16 and auto["value_cap"] <= 0.4 * gt_values
     min_per_split = max(1, min(28, grid_k // 8))
     candidates, last = [], 0  # (splits, kps, resident blocks per SM)
     for s in range(1, max(1, grid_k // min_per_split) + 1):
@@ -582,7 +589,10 @@ def rule_splits(m, k, max_run, n, dtype, fixed=4.0, cap=None):
         return auto["splits"], fits
     best, best_cost = 1, None
     for splits, kps, resident in candidates:
-        cost = (kps + fixed) * math.ceil(base * splits / (resident * sms))
+        if fluid:
+            cost = (kps + 10) * base * splits / (resident * sms) + kps
+        else:
+            cost = (kps + fixed) * math.ceil(base * splits / (resident * sms))
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return auto["splits"], best
@@ -607,6 +617,32 @@ def test_split_rule_picks_the_least_cost(dtype, fixed, monkeypatch):
         for n in (1, 8, 16, 32, 64):
             chosen, defined = rule_splits(m, k, max_run, n, dtype, cost)
             assert chosen == defined, f"{m}x{k} max_run {max_run} N={n}: planner {chosen}, rule {defined}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_rule_of_v23_on_request(dtype, monkeypatch):
+    """SPINFER_SPLIT_RULE=23 launches what the rule of kernel v23 defines (no 16-token cap, rounds
+    everywhere), and the default rule differs from it where it should on an sm_90 part of 100+ SMs:
+    28672x8192 at 30% sparsity (longest run 3000) and N = 16 streams unsplit, at 70% (1360) and
+    N = 1 / 16 it runs more splits than v23's one round of 896 blocks."""
+    for var in ("SPINFER_SPLITS", "SPINFER_SPLIT_MARGIN", "SPINFER_SPLIT_CAP", "SPINFER_SPLIT_FIXED"):
+        monkeypatch.delenv(var, raising=False)
+    default = {(max_run, n): plan_of(28672, 8192, max_run, n, dtype)["splits"] for max_run, n in
+               [(3000, 16), (1360, 1), (1360, 16), (2200, 1), (2200, 16)]}
+    monkeypatch.setenv("SPINFER_SPLIT_RULE", "23")
+    for m, k, max_run in [(28672, 8192, 3000), (28672, 8192, 1360), (8192, 28672, 1360), (4096, 14336, 2200)]:
+        for n in (1, 8, 16, 32):
+            chosen, defined = rule_splits(m, k, max_run, n, dtype, v23=True)
+            assert chosen == defined, f"v23 rule, {m}x{k} max_run {max_run} N={n}: planner {chosen}, rule {defined}"
+    old = {key: plan_of(28672, 8192, key[0], key[1], dtype)["splits"] for key in default}
+    if not plan_of(64, 64, 64, 1)["bulk"]:
+        assert default == old  # the other loader keeps v23's rule
+        return
+    if torch.cuda.get_device_properties(0).multi_processor_count < 100:
+        return  # the grids below are an H100's
+    assert default[(3000, 16)] == 1 < old[(3000, 16)], (default, old)
+    assert default[(1360, 1)] > old[(1360, 1)] and default[(1360, 16)] > old[(1360, 16)], (default, old)
+    assert default[(2200, 1)] == old[(2200, 1)] and default[(2200, 16)] == old[(2200, 16)], (default, old)
 
 
 # (shape, longest run, N, the cap's grid against the cost rule's: fewer splits on any sm_90 part of

@@ -85,8 +85,20 @@ int per_split(int grid_k, int splits) {
 // cap (tenths of a block per SM; 0: none; streaming launches, stream_cap): the most splits whose
 // grid keeps at most that many blocks per SM (and fits the resident slots), where one split
 // does; the cost rule otherwise.
+//
+// fluid (decode-bound launches, decode_bound): the cost counts rounds as the fraction
+// blocks / slots and adds one block's length for the last one, (kps + 10) x blocks / slots + kps.
+// Where the decode's issue sets the pace, a grid of one full round (every SM 6 or 7 long blocks)
+// ran slower than grids of 1.4-2.4 rounds of shorter blocks, whose blocks fill the SMs that finish
+// first: H100, same process, least of 2 rounds, 70% sparsity, split counts 1-10 forced
+// (docs/kernels.md, eighty-fourth session): 28672x8192 at N = 1 2 splits (the rounds rule's, 896
+// blocks) 88.3 us against 5 (2240) 83.4, 8192x28672 7 splits (896) 88.0 against 10 (1280) 85.1
+// (this cost gives it 16, 85.3-85.5; 12 measured 83.7). Against v23's rule, four issue shapes x
+// N = 1-32 at 70%: 1.531 -> 1.550x cuBLAS. At 30-50% sparsity the same grids ran slower (8192x28672 at 50%: 4 splits 97.2, 10 118.0), so
+// those keep the rounds.
 template <typename Resident>
-int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, double fixed, int cap) {
+int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, double fixed, int cap,
+                  bool fluid = false) {
   const int min_per_split = std::max(1, std::min(28, p.grid_k / 8));
   const int max_splits = std::max(1, p.grid_k / min_per_split);
   const int64_t base = static_cast<int64_t>((p.grid_m + p.rows - 1) / p.rows) * p.n_tiles;  // blocks a split
@@ -112,8 +124,8 @@ int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, 
     last = splits;
     const int slots = resident(kps) * sms;
     if (slots <= 0) continue;  // the query failed: keep what the other counts give (none: 1)
-    const double rounds = std::ceil(static_cast<double>(base * splits) / (margin * slots));
-    const double cost = (kps + fixed) * rounds;
+    const double cost = fluid ? (kps + 10.0) * static_cast<double>(base * splits) / slots + kps
+                              : (kps + fixed) * std::ceil(static_cast<double>(base * splits) / (margin * slots));
     if (best_cost == 0 || cost < best_cost) best = splits, best_cost = cost;
   }
   return best;
@@ -136,8 +148,25 @@ int env_int(const char* name, int fallback) {
 // (448) 33.4, so a cap of 3.5 blocks lost there; at 70% 28672x4096 unsplit 54.9 against 2, 49.3
 // (docs/kernels.md, forty-fourth session). Measured on the H100 only: the other loader keeps the
 // cost rule. SPINFER_SPLIT_CAP (tenths; 0: the cost rule) overrides (A/B runs, tests).
-int stream_cap(const SpmmPlan& p) {
-  return p.bulk && p.bn == 8 && p.value_cap * 20 >= kMaxValues * 9 ? 40 : 0;
+//
+// At BN = 16 the same cap where the longest run holds at least 60% of a GroupTile (about 40%
+// sparsity and less): at 30% the 16-token tile streams the weight as the 8-token one does, and one
+// split (448 blocks) beat the cost rule's 4 (1792): H100, same process, least of 2 rounds, 28672x8192
+// 124.6 against 130.0 us, 28672x4096 66.0 against 71.6, 8192x28672 4 splits 126.8 against 5, 128.8
+// (docs/kernels.md, eighty-fourth session); at 50% one split lost (28672x8192 108.5 against 103.9).
+// SPINFER_SPLIT_RULE=23 keeps the caps and the rounds of kernel v23 (A/B runs).
+int stream_cap(const SpmmPlan& p, bool v23) {
+  if (!p.bulk) return 0;
+  if (p.bn == 8 && p.value_cap * 20 >= kMaxValues * 9) return 40;
+  return !v23 && p.bn == 16 && p.value_cap * 5 >= kMaxValues * 3 ? 40 : 0;
+}
+
+// Launches whose decode's issue sets the pace (choose_splits' fluid rounds): the 8- and 16-token
+// tiles of the sm_90 loader where the longest run is at most 40% of a GroupTile (about 60% sparsity
+// and more; measured on the H100 only, so the other loader keeps the rounds). At BN =
+// 32 the rounds chose as well or better (70%, five layers, the same sweep).
+bool decode_bound(const SpmmPlan& p, bool v23) {
+  return !v23 && p.bulk && p.bn <= 16 && p.value_cap * 5 <= kMaxValues * 2;
 }
 
 // The rule's split count, kept per (device, dtype, variant, stages, value buffer, grid): the rule
@@ -146,11 +175,13 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
   static std::mutex mutex;
   const int margin = std::max(1, env_int("SPINFER_SPLIT_MARGIN", 1000));  // per mille (A/B runs)
   const int fixed = std::max(0, env_int("SPINFER_SPLIT_FIXED", 40));     // tenths of a GroupTile (A/B runs)
-  const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p)));  // tenths of a block per SM
-  static std::map<std::array<int, 14>, int> cache;
+  const bool v23 = env_int("SPINFER_SPLIT_RULE", 0) == 23;  // the rule of kernel v23 (A/B runs)
+  const int cap = std::max(0, env_int("SPINFER_SPLIT_CAP", stream_cap(p, v23)));  // tenths of a block per SM
+  const bool fluid = decode_bound(p, v23);
+  static std::map<std::array<int, 15>, int> cache;
   const int variant = p.bulk * 2 + p.lean + 4 * p.count_rows + 8 * p.row_table + 16 * p.wgmma + 128 * p.rows;
-  const std::array<int, 14> key{device, bf16, p.bn, variant, p.min_blocks, p.stages, p.value_cap,
-                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed, cap};
+  const std::array<int, 15> key{device, bf16, p.bn, variant, p.min_blocks, p.stages, p.value_cap,
+                                p.grid_m, p.n_tiles, p.grid_k, std::min(n, p.bn), margin, fixed, cap, fluid};
   {
     const std::lock_guard<std::mutex> lock(mutex);
     if (auto it = cache.find(key); it != cache.end()) return it->second;
@@ -160,7 +191,7 @@ int splits_cached(const SpmmPlan& p, bool bf16, int device, int n, int sms) {
     q.smem_bytes = by_tile<SmemF>(p.bn, k_per_split, p.value_cap, p.stages, n, p.wgmma > 0, p.rows);
     return resident_blocks_cached(q, bf16, device);
   };
-  const int splits = choose_splits(p, resident, sms, margin / 1000.0, fixed / 10.0, cap);
+  const int splits = choose_splits(p, resident, sms, margin / 1000.0, fixed / 10.0, cap, fluid);
   const std::lock_guard<std::mutex> lock(mutex);
   return cache[key] = splits;
 }

@@ -87,15 +87,19 @@ int per_split(int grid_k, int splits) {
 // does; the cost rule otherwise.
 //
 // fluid (decode-bound launches, decode_bound): the cost counts rounds as the fraction
-// blocks / slots and adds one block's length for the last one, (kps + 10) x blocks / slots + kps.
+// blocks / slots and adds one block's length for the last one,
+// (kps + kFluidFixed) x blocks / slots + kps; `fixed` and `margin` are the rounds' and do not apply.
+// kFluidFixed (a block's fixed cost in GroupTiles) and the last block's weight of 1 were fitted
+// offline on the sweep below (13 of its 15 cases at 70% and BN <= 16 got their best measured count).
 // Where the decode's issue sets the pace, a grid of one full round (every SM 6 or 7 long blocks)
 // ran slower than grids of 1.4-2.4 rounds of shorter blocks, whose blocks fill the SMs that finish
 // first: H100, same process, least of 2 rounds, 70% sparsity, split counts 1-10 forced
 // (docs/kernels.md, eighty-fourth session): 28672x8192 at N = 1 2 splits (the rounds rule's, 896
 // blocks) 88.3 us against 5 (2240) 83.4, 8192x28672 7 splits (896) 88.0 against 10 (1280) 85.1
 // (this cost gives it 16, 85.3-85.5; 12 measured 83.7). Against v23's rule, four issue shapes x
-// N = 1-32 at 70%: 1.531 -> 1.550x cuBLAS. At 30-50% sparsity the same grids ran slower (8192x28672 at 50%: 4 splits 97.2, 10 118.0), so
-// those keep the rounds.
+// N = 1-32 at 70%: 1.531 -> 1.550x cuBLAS. At 30-50% sparsity the same grids ran slower
+// (8192x28672 at 50%: 4 splits 97.2, 10 118.0), so those keep the rounds.
+constexpr double kFluidFixed = 10.0;
 template <typename Resident>
 int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, double fixed, int cap,
                   bool fluid = false) {
@@ -124,8 +128,9 @@ int choose_splits(const SpmmPlan& p, Resident resident, int sms, double margin, 
     last = splits;
     const int slots = resident(kps) * sms;
     if (slots <= 0) continue;  // the query failed: keep what the other counts give (none: 1)
-    const double cost = fluid ? (kps + 10.0) * static_cast<double>(base * splits) / slots + kps
-                              : (kps + fixed) * std::ceil(static_cast<double>(base * splits) / (margin * slots));
+    const double blocks = static_cast<double>(base * splits);
+    const double cost = fluid ? (kps + kFluidFixed) * blocks / slots + kps
+                              : (kps + fixed) * std::ceil(blocks / (margin * slots));
     if (best_cost == 0 || cost < best_cost) best = splits, best_cost = cost;
   }
   return best;

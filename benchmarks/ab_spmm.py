@@ -1,10 +1,12 @@
 """A/B of SpMM launch configurations in one process (interleaved, L2 flushed), for tuning the
 planner. A configuration is a '+'-joined list of SPINFER_* environment overrides read by the
 planner at every launch (SPLITS, STAGES, LOADER, DECODE, VALUE_CAP, MIN_BLOCKS, BN, SPLIT_MARGIN,
-SPLIT_FIXED, SPLIT_CAP, SPLIT_RULE); 'auto' is the planner's own choice.
+SPLIT_FIXED, SPLIT_CAP, SPLIT_RULE, WGMMA); 'auto' is the planner's own choice.
 
     python benchmarks/ab_spmm.py --configs auto,STAGES=3,SPLITS=8 \\
-        [--shapes 28672x8192,4096x14336] [--ns 1,8,16,32] [--sparsity 0.5]
+        [--shapes 28672x8192,4096x14336] [--ns 1,8,16,32] [--sparsity 0.5] [--plans]
+
+--plans prints each configuration's launch (spinfer.ops.spmm.spmm_plan) per case before timing.
 """
 
 import argparse
@@ -35,18 +37,40 @@ def main():
     p.add_argument("--ns", default="1,8,16,32")
     p.add_argument("--sparsity", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=1, help="least of this many shuffled rounds per call")
+    p.add_argument("--plans", action="store_true", help="print each configuration's launch per case")
     a = p.parse_args()
     configs = a.configs.split(",")
     spinfer.build.load_extension()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}: x cuBLAS (us), sparsity {a.sparsity}; configs: {configs}")
+    encs = {}
+
     def prepare(w):
         w[torch.rand(w.shape, device=dev) < a.sparsity] = 0
-        enc = TCABME.from_dense(w)
+        enc = encs[tuple(w.shape)] = TCABME.from_dense(w)
         return lambda x: spinfer.spmm(x, enc)
 
     cases = build_cases(a.shapes, a.ns, dev, prepare)
+    if a.plans:
+        print_plans(configs, encs, [int(v) for v in a.ns.split(",")])
     compare(configs, cases, dev, a.rounds)
+
+
+def print_plans(configs, encs, ns):
+    """One line per weight, N and configuration: the planner's token tile, wgmma group, rows a block,
+    split count and GroupTiles a split, and the resident blocks an SM (spmm_plan)."""
+    from spinfer.ops.spmm import spmm_plan
+
+    for (m, k), enc in encs.items():
+        for n in ns:
+            cells = []
+            for c in configs:
+                apply(c)
+                q = spmm_plan(enc, n)
+                cells.append(f"{c}: bn {q['bn']} wg {q['wgmma']} rows {q['rows']} splits {q['splits']}"
+                             f"x{q['k_per_split']} res {q['resident_blocks']}")
+            apply("auto")
+            print(f"plan {m:>5}x{k:<5} N={n:<3} " + " | ".join(cells), flush=True)
 
 
 def build_cases(shapes, ns, dev, prepare, dtype=torch.float16):

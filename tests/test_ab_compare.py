@@ -60,3 +60,23 @@ def test_position_table_lines_up_the_steps_kernel_by_kernel():
     assert len(rows) == 3  # one per kernel of the step, not per launch
     assert rows[1].split() == ["1", "gemm", "11.00", "1.00", "spmm", "9.00", "-1.00"]
     assert rows[0].split() == ["0", "norm", "2.00", "1.00", "norm", "2.00", "1.00"]  # its gap: the step before
+
+
+def test_plans_are_asked_under_each_configuration(monkeypatch, capsys):
+    import spinfer.ops.spmm  # noqa: F401 (spinfer.ops binds the name spmm to the op, so take the module)
+
+    spmm_ops = sys.modules["spinfer.ops.spmm"]
+    monkeypatch.delenv("SPINFER_SPLITS", raising=False)
+
+    def fake_plan(enc, n):
+        splits = int(os.environ.get("SPINFER_SPLITS", "3"))
+        return dict(bn=32, wgmma=5, rows=1, splits=splits, k_per_split=enc // splits, resident_blocks=4)
+
+    monkeypatch.setattr(spmm_ops, "spmm_plan", fake_plan)
+    ab_spmm.print_plans(["auto", "SPLITS=2"], {(128, 768): 12}, [24, 32])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "plan   128x768   N=24  auto: bn 32 wg 5 rows 1 splits 3x4 res 4 | SPLITS=2: bn 32 wg 5 rows 1 splits 2x6 res 4",
+        "plan   128x768   N=32  auto: bn 32 wg 5 rows 1 splits 3x4 res 4 | SPLITS=2: bn 32 wg 5 rows 1 splits 2x6 res 4",
+    ]
+    assert "SPINFER_SPLITS" not in os.environ  # the planner's own choice is restored

@@ -33,9 +33,9 @@ fi
 if [[ " $steps " == *" ab-spmm "* ]]; then
     # planner overrides against each other in one process (benchmarks/ab_spmm.py), one process a
     # sparsity: AB_CONFIGS, AB_SHAPES, AB_NS, AB_SPARSITIES (defaults: the wgmma group sizes and
-    # mma.sync at the N where BN is 32 and 64)
+    # mma.sync at the N where BN is 32 and 64); AB_PLANS=1 prints each configuration's launch first
     for s in ${AB_SPARSITIES:-0.5 0.7}; do
-        python3 benchmarks/ab_spmm.py --configs "${AB_CONFIGS:-WGMMA=0,WGMMA=1,WGMMA=3,WGMMA=4}" --rounds 2 --sparsity "$s" \
+        python3 benchmarks/ab_spmm.py ${AB_PLANS:+--plans} --configs "${AB_CONFIGS:-WGMMA=0,WGMMA=1,WGMMA=3,WGMMA=4}" --rounds 2 --sparsity "$s" \
             --shapes "${AB_SHAPES:-28672x8192,8192x28672,14336x4096,4096x14336}" --ns "${AB_NS:-24,32,64}" \
             >"$OUT/ab-spmm-$s.log" 2>&1 || status=1
         tail -n 16 "$OUT/ab-spmm-$s.log"

@@ -63,6 +63,8 @@ def test_position_table_lines_up_the_steps_kernel_by_kernel():
 
 
 def test_plans_are_asked_under_each_configuration(monkeypatch, capsys):
+    """ab_spmm --plans: one line per weight and N, each configuration's launch asked with its
+    environment in force, and the planner's own choice restored after."""
     import spinfer.ops.spmm  # noqa: F401 (spinfer.ops binds the name spmm to the op, so take the module)
 
     spmm_ops = sys.modules["spinfer.ops.spmm"]

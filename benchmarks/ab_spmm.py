@@ -43,11 +43,12 @@ def main():
     spinfer.build.load_extension()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}: x cuBLAS (us), sparsity {a.sparsity}; configs: {configs}")
-    encs = {}
+    encs = []  # ((m, k), encoding) in --shapes order; a shape given twice has two weights
 
     def prepare(w):
         w[torch.rand(w.shape, device=dev) < a.sparsity] = 0
-        enc = encs[tuple(w.shape)] = TCABME.from_dense(w)
+        enc = TCABME.from_dense(w)
+        encs.append((tuple(w.shape), enc))
         return lambda x: spinfer.spmm(x, enc)
 
     cases = build_cases(a.shapes, a.ns, dev, prepare)
@@ -57,11 +58,12 @@ def main():
 
 
 def print_plans(configs, encs, ns):
-    """One line per weight, N and configuration: the planner's token tile, wgmma group, rows a block,
-    split count and GroupTiles a split, and the resident blocks an SM (spmm_plan)."""
+    """One line per weight ((m, k), encoding pairs) and N, a cell per configuration: the planner's
+    token tile, wgmma group, rows a block, split count and GroupTiles a split, and the resident
+    blocks an SM (spmm_plan)."""
     from spinfer.ops.spmm import spmm_plan
 
-    for (m, k), enc in encs.items():
+    for (m, k), enc in encs:
         for n in ns:
             cells = []
             for c in configs:

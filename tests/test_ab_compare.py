@@ -75,7 +75,7 @@ def test_plans_are_asked_under_each_configuration(monkeypatch, capsys):
         return dict(bn=32, wgmma=5, rows=1, splits=splits, k_per_split=enc // splits, resident_blocks=4)
 
     monkeypatch.setattr(spmm_ops, "spmm_plan", fake_plan)
-    ab_spmm.print_plans(["auto", "SPLITS=2"], {(128, 768): 12}, [24, 32])
+    ab_spmm.print_plans(["auto", "SPLITS=2"], [((128, 768), 12)], [24, 32])
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
         "plan   128x768   N=24  auto: bn 32 wg 5 rows 1 splits 3x4 res 4 | SPLITS=2: bn 32 wg 5 rows 1 splits 2x6 res 4",

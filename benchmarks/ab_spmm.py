@@ -1,7 +1,7 @@
 """A/B of SpMM launch configurations in one process (interleaved, L2 flushed), for tuning the
 planner. A configuration is a '+'-joined list of SPINFER_* environment overrides read by the
 planner at every launch (SPLITS, STAGES, LOADER, DECODE, VALUE_CAP, MIN_BLOCKS, BN, SPLIT_MARGIN,
-SPLIT_FIXED, SPLIT_CAP, SPLIT_RULE, WGMMA); 'auto' is the planner's own choice.
+SPLIT_FIXED, SPLIT_CAP, SPLIT_RULE, WGMMA, COUNT_ROWS, ROW_TABLE); 'auto' is the planner's own choice.
 
     python benchmarks/ab_spmm.py --configs auto,STAGES=3,SPLITS=8 \\
         [--shapes 28672x8192,4096x14336] [--ns 1,8,16,32] [--sparsity 0.5] [--plans]

@@ -4,7 +4,7 @@ variants, the three register budgets, the rows above counted by the producer war
 from the weight's row table (also a corrupt one), the next stage requested after the
 first has landed or with it, wgmma or mma.sync at BN = 32 and 64 (token tiles under BN: x rows no copy
 writes), one or two GroupTile rows a block, the 128-token tile (SPINFER_BN=128), a stage's two GroupTiles' wgmma
-overlapping (SPINFER_WGMMA=5), a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
+overlapping (SPINFER_WGMMA=5), at BN = 32 the rows above from the producer, the row table or each warp, a corrupt offsets array, fp16 and bf16; the fused low-bit kernel at every
 width and group, odd M and K, split-K on and off (a short last split at K = 1792), every tile
 width, all three zero-point paths (integer_zeros, the per-segment check, sum(x) forced), the balanced schedule (splits -1: ranges across row blocks), row
 pairs, and split tail rows (at 4 bits and N > 16 with the sm_90 bulk loader: bulk weight copies
@@ -14,7 +14,7 @@ kernel at every width, two groups a chunk below 4 bits and at 8, both loaders (r
 shared-memory ring, the ring with blocks of 8 warps and of 4), with both zero-point paths, and its split tail rows; the weight-to-dense
 kernels on odd shapes, with corrupt TCA-BME offsets.
 
-SANITIZE_PARTS (a comma list of spmm, bn128, pair, lowbit, gemv, dense; default all) runs some of them, and
+SANITIZE_PARTS (a comma list of spmm, bn128, pair, above32, lowbit, gemv, dense; default all) runs some of them, and
 SANITIZE_BITS (a comma list of 1, 2, 4, 8; default all) the low-bit widths of the lowbit and gemv
 parts: racecheck of every part takes more than 5 minutes, so the pieces run in processes of their own."""
 
@@ -35,7 +35,7 @@ def chosen(name: str, choices: str) -> list:
     return picked
 
 
-PARTS = chosen("SANITIZE_PARTS", "spmm,bn128,pair,lowbit,gemv,dense")
+PARTS = chosen("SANITIZE_PARTS", "spmm,bn128,pair,above32,lowbit,gemv,dense")
 BITS = [int(b) for b in chosen("SANITIZE_BITS", "1,2,4,8")]
 SPMM_CASES = [
         (64, 64, 1, "1", "2", "lean", "9", "1", "1", "1", "1"), (4097, 1000, 7, "1", "3", "safe", "9", "0", "1", "1", "1"),
@@ -58,15 +58,25 @@ BN128_CASES = [(300, 1450, 100, "2", "3", "lean", "7", "0", "0", "4", "1"), (409
 PAIR_CASES = [(300, 1450, 130, "2", "3", "lean", "7", "0", "0", "5", "1"), (4097, 1000, 100, "1", "2", "lean", "7", "0", "0", "5", "2"),
               (4097, 1000, 64, "3", "2", "lean", "7", "0", "0", "5", "2"), (300, 1450, 40, "1", "2", "lean", "7", "0", "0", "5", "1"),
               (4097, 1000, 24, "2", "2", "lean", "7", "0", "0", "5", "1"), (300, 1450, 32, "1", "3", "lean", "7", "0", "0", "5", "2")]
-for (m, k, n, splits, stages, decode, budget, count, stagger, wgmma, rows), bn in (
-        [(case, "0") for case in SPMM_CASES if "spmm" in PARTS] + [(case, "128") for case in BN128_CASES if "bn128" in PARTS]
-        + [(case, "0") for case in PAIR_CASES if "pair" in PARTS]):
+# at BN = 32 (wgmma groups of 4, plain and overlapped) the rows above counted by the producer (count "1"),
+# or (count "0") read from the row table, as the other lists' BN = 32 cases do, or with the table off
+# (the last field "0") counted by each decoding warp; split and not, 2 and 3 stages, a stage of a single GroupTile
+ABOVE32_CASES = [((4097, 1000, 24, "2", "2", "lean", "7", "1", "0", "4", "1"), "1"),
+                 ((300, 1450, 32, "1", "3", "lean", "7", "1", "0", "5", "1"), "1"),
+                 ((4097, 1000, 17, "3", "2", "lean", "7", "0", "0", "5", "1"), "0"),
+                 ((300, 1450, 32, "2", "3", "lean", "7", "0", "0", "4", "1"), "0")]
+for (m, k, n, splits, stages, decode, budget, count, stagger, wgmma, rows), bn, table in (
+        [(case, "0", "1") for case in SPMM_CASES if "spmm" in PARTS]
+        + [(case, "128", "1") for case in BN128_CASES if "bn128" in PARTS]
+        + [(case, "0", "1") for case in PAIR_CASES if "pair" in PARTS]
+        + [(case, "0", t) for case, t in ABOVE32_CASES if "above32" in PARTS]):
     os.environ["SPINFER_BN"] = bn  # 0: the planner's token tile
+    os.environ["SPINFER_ROW_TABLE"] = table  # the rows above from the weight's row table where no producer counts
     os.environ["SPINFER_SPLITS"] = splits
     os.environ["SPINFER_STAGES"] = stages
     os.environ["SPINFER_DECODE"] = decode
     os.environ["SPINFER_MIN_BLOCKS"] = budget  # register budget of the sm_90 kernel at BN <= 16
-    os.environ["SPINFER_COUNT_ROWS"] = count  # the producer warp counts the rows above (sm_90, BN <= 16)
+    os.environ["SPINFER_COUNT_ROWS"] = count  # the producer warp counts the rows above (sm_90, BN <= 16 and 32)
     os.environ["SPINFER_STAGGER"] = stagger  # the next stage after the first lands (sm_90, BN = 8)
     os.environ["SPINFER_WGMMA"] = wgmma  # wgmma groups of 1, 2 or 4 TCTiles, or mma.sync (sm_90, BN >= 32, lean)
     os.environ["SPINFER_WGMMA_SMALL"] = "1" if n <= 16 and wgmma == "4" else "0"  # and at BN <= 16

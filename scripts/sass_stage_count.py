@@ -19,7 +19,8 @@ import subprocess
 import sys
 from functools import lru_cache
 
-KERNEL = re.compile(r"_ZN7spinfer4smbd16spmm_smbd_kernelILb(\d)ELi(\d+)ELb(\d)ELb(\d)ELi(\d+)ELb(\d)ELb(\d)EL[bi](\d)E")
+KERNEL = re.compile(
+    r"_ZN7spinfer4smbd16spmm_smbd_kernelILb(\d)ELi(\d+)ELb(\d)ELb(\d)ELi(\d+)ELb(\d)ELb(\d)EL[bi](\d)E(?:Li(\d)E)?")
 MMA = re.compile(r"\bH(?:G)?MMA\b")  # mma.sync (HMMA) or wgmma (HGMMA)
 BRANCH = re.compile(r"BRA (?:\S+, )?(0x[0-9a-f]+)")
 
@@ -92,7 +93,7 @@ def main():
         if not m:
             continue
         tag = (f"{'bf16' if m.group(1) == '1' else 'fp16'} BN={m.group(2)} bulk={m.group(3)} lean={m.group(4)} "
-               f"minb={m.group(5)} count={m.group(6)} table={m.group(7)} wgmma={m.group(8)}")
+               f"minb={m.group(5)} count={m.group(6)} table={m.group(7)} wgmma={m.group(8)} rows={m.group(9) or 1}")
         if want not in tag:
             continue
         ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", func)]

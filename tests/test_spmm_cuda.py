@@ -327,6 +327,45 @@ def test_warp_group_two_rows_forced(monkeypatch):
     assert all(spmm_plan(enc, n)["rows"] == 1 for n in (32, 64))
 
 
+def test_rows_above_at_bn32_forced(monkeypatch):
+    """At BN = 32 (17-32 tokens) the rows above each decoding warp's row counted by the producer
+    warp (the planner's choice), read from the weight's row table (SPINFER_COUNT_ROWS=0) or counted
+    by each decoding warp (and SPINFER_ROW_TABLE=0), in plain (SPINFER_WGMMA=4) and overlapped (5)
+    wgmma groups: the float64 check holds and the three agree to fp32 rounding, on odd shapes with a
+    dense GroupTile and a dense row, split and unsplit, 2 and 3 stages, a stage of a single
+    GroupTile, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports which one runs; without
+    the weight's row table the decoding warps count; blocks of two GroupTile rows count in each warp."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=4000)):
+            enc = TCABME.from_dense(w)
+            b = torch.randn(w.shape[0], device="cuda").to(dtype)
+            for stages, splits in STAGES_SPLITS:
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
+                for group in ("4", "5"):
+                    monkeypatch.setenv("SPINFER_WGMMA", group)
+                    n = 17 if wi % 2 else 32
+                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+                    set_overrides(monkeypatch, COUNT_ROWS="0", ROW_TABLE="0")
+                    other = spmm_poisoned(x, enc, b)
+                    plan = spmm_plan(enc, n, dtype=dtype)
+                    runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == int(group)
+                    assert runs or not wgmma_can_run(), plan
+                    assert not plan["count_rows"] and not plan["row_table"], plan
+                    for count, table in ((None, None), ("0", None)):
+                        set_overrides(monkeypatch, COUNT_ROWS=count, ROW_TABLE=table)
+                        y = spmm_poisoned(x, enc, b)
+                        check_against(y, other, x, w, b, (wi, n, stages, splits, group, count))
+                        plan = spmm_plan(enc, n, dtype=dtype)
+                        assert plan["count_rows"] == (runs and count is None), plan
+                        assert plan["row_table"] == (runs and count == "0"), plan
+                    if wi == 0:  # no row table handed in: the decoding warps count
+                        check_against(spmm_poisoned(x, enc, b, row_table=False), other, x, w, b, (wi, n, "no table"))
+                set_overrides(monkeypatch, COUNT_ROWS=None, ROW_TABLE=None, SMBD_ROWS="2")
+                plan = spmm_plan(enc, 32, dtype=dtype)
+                assert plan["rows"] == 1 or not (plan["count_rows"] or plan["row_table"]), plan
+                monkeypatch.delenv("SPINFER_SMBD_ROWS")
+
+
 def test_overlap_at_bn32_where_the_grid_is_split(monkeypatch):
     """At 17-32 tokens (BN = 32) the planner takes the overlapped wgmma groups (kWgPair) where the
     split rule gives their grid more than one split, else plain groups of 4: a 4096x4096 weight
@@ -400,19 +439,25 @@ def test_activation_copies_through_l1_forced(monkeypatch, x_l1):
                           lambda plan: plan["bulk"] and x_l1 == "1")
 
 
+def counts_where_asked(plan):
+    """Whether the plan's kernel has the producer's row count: the lean sm_90 one at BN <= 16, and
+    its wgmma groups of 4 (plain or overlapped) with one GroupTile row a block at BN = 32."""
+    return plan["bulk"] and (plan["bn"] <= 16 or (plan["bn"] == 32 and plan["wgmma"] in (4, 5) and plan["rows"] == 1))
+
+
 @pytest.mark.parametrize("count_rows", ["0", "1"])
 def test_rows_above_counted_by_either_warp(monkeypatch, count_rows):
     """The bitmap rows above each decoding warp's row counted by the producer warp or by the warp
     itself (SPINFER_COUNT_ROWS) give the same bits at BN = 8 and 16, split and unsplit, with a
     stage of a single GroupTile (1450 columns: 23 GroupTiles), a dense GroupTile and a dense row
     among sparse ones, and the float64 check holds; the plan reports it (BN <= 16 on the sm_90
-    loader only)."""
+    loader, and BN = 32 on its wgmma groups of 4)."""
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
         w[64:128, 128:192] = torch.randn(64, 64, device="cuda").to(dtype)  # a dense GroupTile
         w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
         check_forced_flag(monkeypatch, "COUNT_ROWS", count_rows, w, (1, 5, 8, 16, 32), "count_rows",
-                          lambda plan: plan["bulk"] and plan["bn"] <= 16 and count_rows == "1")
+                          lambda plan: counts_where_asked(plan) and count_rows == "1")
 
 
 @pytest.mark.parametrize("stagger", ["0", "1"])
@@ -452,19 +497,20 @@ def test_rows_above_read_from_the_table_or_counted(monkeypatch, row_table):
     """The decoding warps reading the rows above their own from the weight's row table, or
     counting them (SPINFER_ROW_TABLE), give the same bits at BN = 8 and (with the producer's count
     off) 16, split and unsplit, with 2 and 3 stages, stages of a single GroupTile and a dense row,
-    fp16 and bf16, and the float64 check holds. The plan reports the table where it applies (the
-    lean sm_90 kernel at BN <= 16 with 56 registers, the producer not counting rows)."""
+    fp16 and bf16, and the float64 check holds; also at BN = 32 with the producer's count off. The
+    plan reports the table where it applies (the lean sm_90 kernel at BN <= 16 with 56 registers and
+    its wgmma groups of 4 with one row a block at BN = 32, the producer not counting rows)."""
     def reported(plan):
-        return (plan["bulk"] and plan["bn"] <= 16 and plan["min_blocks"] == 7 and not plan["count_rows"]
-                and row_table == "1")
+        kernel = plan["min_blocks"] == 7 if plan["bn"] <= 16 else counts_where_asked(plan)
+        return plan["bulk"] and kernel and not plan["count_rows"] and row_table == "1"
 
     for dtype in (torch.float16, torch.bfloat16):
         w = random_sparse((4097, 1450), 0.6, dtype, device="cuda")
         w[200, :] = torch.randn(1450, device="cuda").to(dtype)  # one dense row
         assert spmm_plan(TCABME.from_dense(w), 1, dtype=dtype)["count_rows"] is False
         check_forced_flag(monkeypatch, "ROW_TABLE", row_table, w, (1, 5, 8, 32), "row_table", reported)
-        monkeypatch.setenv("SPINFER_COUNT_ROWS", "0")  # BN = 16 without the producer's count
-        check_forced_flag(monkeypatch, "ROW_TABLE", row_table, w, (9, 16), "row_table", reported)
+        monkeypatch.setenv("SPINFER_COUNT_ROWS", "0")  # BN = 16 and 32 without the producer's count
+        check_forced_flag(monkeypatch, "ROW_TABLE", row_table, w, (9, 16, 32), "row_table", reported)
         monkeypatch.delenv("SPINFER_COUNT_ROWS")
     w = random_sparse((300, 1450), 0.7, torch.float16, device="cuda")
     monkeypatch.setenv("SPINFER_STAGES", "3")
@@ -520,10 +566,11 @@ def test_plan_reports_the_launch():
         # most half its compressed weights (two 512-byte bitmaps, two runs of value_cap values)
         x_bytes, w_bytes = 2 * 64 * p["bn"] * 2, 2 * (512 + 2 * p["value_cap"])
         assert p["x_l1"] == (p["bulk"] and 2 * x_bytes <= w_bytes), (n, p)
-        # the producer counts the rows above at BN = 16, and at BN = 8 where the longest run is
-        # at least 60% of a GroupTile (spmm_smbd.cu)
+        # the producer counts the rows above at BN = 16 and 32 (wgmma groups of 4, one row a block),
+        # and at BN = 8 where the longest run is at least 60% of a GroupTile (spmm_smbd.cu)
         long_runs = 5 * p["value_cap"] >= 3 * 4096
-        assert p["count_rows"] == (p["bulk"] and p["bn"] <= 16 and (p["bn"] == 16 or long_runs)), (n, p)
+        assert p["count_rows"] == (counts_where_asked(p) and (p["bn"] >= 16 or long_runs)), (n, p)
+        assert p["count_rows"] or n != 32 or not wgmma_can_run(), p
         # the next stage waits for the first to land at BN = 8 where the producer does not count rows
         assert p["stagger"] == (p["bulk"] and p["bn"] == 8 and not p["count_rows"]), (n, p)
     for sparsity, long_runs in ((0.3, True), (0.5, False), (0.8, False)):

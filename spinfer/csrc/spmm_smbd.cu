@@ -339,6 +339,19 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // (eighty-second); with one row forced at 30% / 50%, 1.009 / 1.043 -> 1.018 / 1.053. With two rows
   // they were slower (1.036 / 1.076 -> 1.030 / 1.061), so blocks of two rows keep plain groups.
   if (forced_group < 0 && p.wgmma == 4 && p.bn == 64 && p.rows == 1) p.wgmma = kWgPair;
+  // At BN = 32 (wgmma, one GroupTile row a block) the producer warp counts the rows above each
+  // decoding warp's row, as at BN = 16, where every decoding warp counted its own (a chain of loads,
+  // PopCounts and a reduction before each stage's scan, up to 20 of ~430 instructions a stage for
+  // the warp of the last TCTile row). H100, same process, least of 2 rounds, 7 layers x N = 24 / 32
+  // (eighty-sixth session, docs/kernels.md), geomean x cuBLAS, the warps' count -> the producer's ->
+  // the row table: 30% 1.037 -> 1.074 -> 1.030, 50% 1.164 -> 1.194 -> 1.190, 70% 1.217 -> 1.238 ->
+  // 1.240 (28672x8192 N = 32 at 30%: 135.7 -> 128.5 us). SPINFER_COUNT_ROWS=0 takes the row table
+  // instead, and with SPINFER_ROW_TABLE=0 too the decoding warps count (A/B runs, tests).
+  if (p.bn == 32 && p.rows == 1 && (p.wgmma == 4 || p.wgmma == kWgPair)) {
+    const char* env = std::getenv("SPINFER_COUNT_ROWS");
+    p.count_rows = env == nullptr || env[0] == '1';
+    p.row_table = row_table && !p.count_rows && env_int("SPINFER_ROW_TABLE", 1) != 0;
+  }
   // At BN = 32 the overlapped groups where the split rule splits their grid. They hold 74 registers
   // to plain groups' 58 (sm_90a fp16): 4 resident blocks where plain groups keep 5-6 at 50-70%. With
   // the same split count they ran 5-8% faster on the 4096-wide layers (H100, same process, least of

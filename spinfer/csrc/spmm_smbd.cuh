@@ -509,7 +509,8 @@ __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
   } else
 #endif
   {
-    static_assert(!kCount || (kBulk && BN <= 16), "the producer counts rows for the sm_90 loader at BN <= 16");
+    static_assert(!kCount || (kBulk && (BN <= 16 || kWg) && kRows == 1),
+                  "the producer counts rows for the sm_90 loader at BN <= 16, and for wgmma blocks of one row");
     static_assert(!kTable || (kBulk && kLean && !kCount), "the row table is read by the lean sm_90 decode");
     static_assert(!kWg || (kBulk && kLean && (BN >= 32 || (kWg == 4 && kMinB == 7))),
                   "wgmma: the lean sm_90 kernel; at BN <= 16 groups of 4 at the default register budget");
@@ -837,6 +838,14 @@ auto kernel_for(const SpmmPlan& plan) {
     if (!plan.lean) return spmm_smbd_kernel<kBF16, BN, true, false>;
     if constexpr (BN >= 32)
       if (plan.wgmma) {
+        if constexpr (BN == 32) {  // the rows above from the producer or the row table (one row a block)
+          if (plan.wgmma == 4 && plan.row_table) return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, true, 4>;
+          if (plan.wgmma == 4 && plan.count_rows) return spmm_smbd_kernel<kBF16, BN, true, true, 0, true, false, 4>;
+          if (plan.wgmma == kWgPair && plan.row_table)
+            return spmm_smbd_kernel<kBF16, BN, true, true, 0, false, true, kWgPair>;
+          if (plan.wgmma == kWgPair && plan.count_rows)
+            return spmm_smbd_kernel<kBF16, BN, true, true, 0, true, false, kWgPair>;
+        }
         if (plan.wgmma == 4)
           return plan.rows == 2 ? spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4, 2>
                                 : spmm_smbd_kernel<kBF16, BN, true, true, 0, false, false, 4>;

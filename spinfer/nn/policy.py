@@ -63,27 +63,27 @@ class DeviceProfile:
     # at 50%, at N = BN (N > 128 pays the BN = 128 slope once per 128 tokens; where the kernel has
     # no 128-token tile, N = 128 runs two 64-token tiles, and the BN = 128 figures measure those;
     # BN = 128's are the eighty-first session's calibrate(), the 128-token tile with a stage's two
-    # GroupTiles overlapping, SMBD v21; BN = 32's the eighty-third's, SMBD v23, where split grids
-    # overlap them too). The fixed cost decides
+    # GroupTiles overlapping, SMBD v21; BN = 32's the eighty-sixth's, SMBD v24, where split grids
+    # overlap them too and the producer warp counts the rows above). The fixed cost decides
     # small layers for dense (1024x4096: 10.5-11.6 us as SpMM, 9.6 dense). A single fixed cost for
     # every tile (the intercept at N = 1) and the slopes of SMBD v11 left the policy 1.21x slow
     # on kernel v19 (docs/policy.md, seventy-eighth session).
     spmm_fixed: Dict[int, float] = field(
-        default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 11.5e-6, 64: 15.8e-6, 128: 15.4e-6})
+        default_factory=lambda: {8: 8.7e-6, 16: 9.8e-6, 32: 11.1e-6, 64: 15.8e-6, 128: 15.4e-6})
     gt_cost: Dict[int, float] = field(
-        default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.75e-9, 64: 1.96e-9, 128: 2.54e-9})
+        default_factory=lambda: {8: 1.54e-9, 16: 1.55e-9, 32: 1.70e-9, 64: 1.96e-9, 128: 2.54e-9})
     # The same two constants through the same two layers pruned to 70%. The kernel's launch is not
     # the same at 70%: at N = 33-64 its blocks hold one GroupTile row and overlap a stage's two
     # GroupTiles, where at 50% they hold two rows, and its stage is shorter. With the 50% constants
     # alone the policy took decode+dense on 1024x4096 at 70%, N = 64, where SpMM was 1.14x faster;
     # with both it picked the fastest kernel in 144 of 144 cases (docs/policy.md, eighty-second
     # session). Between 50% and 70% sparsity the model interpolates (spmm_terms); below 50% it takes
-    # the 50% figures, above 70% the 70% ones. H100, calibrate() on SMBD v22 (BN = 32 on v23): at
+    # the 50% figures, above 70% the 70% ones. H100, calibrate() on SMBD v22 (BN = 32 on v24): at
     # N = 33-64 12.0 us and 1.98 ns a GroupTile, against 16.1 us and 1.93 ns at 50%.
     spmm_fixed_70: Dict[int, float] = field(
-        default_factory=lambda: {8: 8.5e-6, 16: 9.2e-6, 32: 10.8e-6, 64: 12.0e-6, 128: 15.6e-6})
+        default_factory=lambda: {8: 8.5e-6, 16: 9.2e-6, 32: 10.7e-6, 64: 12.0e-6, 128: 15.6e-6})
     gt_cost_70: Dict[int, float] = field(
-        default_factory=lambda: {8: 1.38e-9, 16: 1.50e-9, 32: 1.70e-9, 64: 1.98e-9, 128: 2.36e-9})
+        default_factory=lambda: {8: 1.38e-9, 16: 1.50e-9, 32: 1.67e-9, 64: 1.98e-9, 128: 2.36e-9})
     # bytes/s (compressed read + fp16 written) of TCA-BME -> dense (or low-bit -> dense) per call,
     # and the decode kernel's fixed cost: the slope and the intercept of its time against bytes
     # through 4096x4096 and 16384x8192 at 50% (the CUDA decode kernels on H100, `spinfer bench

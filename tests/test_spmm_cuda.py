@@ -174,6 +174,19 @@ def wide_tile_weights(dtype, dense_row, extra=()):
             random_sparse((300, 1000), 0.0, dtype, device="cuda"), random_sparse((300, 1000), 0.999, dtype, device="cuda")]
 
 
+def wide_tile_cases(monkeypatch, dense_row, extra=(), **overrides):
+    """Each weight of wide_tile_weights in fp16 and in bf16, with its encoding and a bias, under each
+    (stages, splits) of STAGES_SPLITS and the other SPINFER_ `overrides` in turn: yields (dtype, index,
+    w, enc, b, stages, splits)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for wi, w in enumerate(wide_tile_weights(dtype, dense_row, extra)):
+            enc = TCABME.from_dense(w)
+            b = torch.randn(w.shape[0], device="cuda").to(dtype)
+            for stages, splits in STAGES_SPLITS:
+                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits, **overrides)
+                yield dtype, wi, w, enc, b, stages, splits
+
+
 def wgmma_can_run():
     """Whether the sm_90 kernel's wgmma form must be what runs where the plan allows it: an sm_90
     GPU, the bulk loader and the lean decode (no SPINFER_LOADER / SPINFER_DECODE override). The
@@ -194,26 +207,21 @@ def test_warp_group_mma_forced(monkeypatch, wgmma):
     of a single GroupTile (1450 columns: 23 GroupTiles), a dense GroupTile and a dense row among
     sparse ones, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports it where it runs
     (the lean sm_90 kernel at BN >= 32) and nowhere else."""
-    for dtype in (torch.float16, torch.bfloat16):
-        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=200)):
-            enc = TCABME.from_dense(w)
-            b = torch.randn(w.shape[0], device="cuda").to(dtype)
-            for stages, splits in STAGES_SPLITS:
-                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
-                for n in (17, 24, 32, 33, 40, 64, 100) if wi == 0 else (20, 64):
-                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
-                    monkeypatch.setenv("SPINFER_WGMMA", "0")
-                    other = spmm_poisoned(x, enc, b)
-                    monkeypatch.setenv("SPINFER_WGMMA", wgmma)
-                    y = spmm_poisoned(x, enc, b)
-                    check_against(y, other, x, w, b, (n, stages, splits))
-                    plan = spmm_plan(enc, n, dtype=dtype)
-                    runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
-                    assert runs or not wgmma_can_run(), plan
-                    group = int(wgmma)
-                    assert plan["wgmma"] == (group if runs else 0), plan
-                    tile = 128 if runs and n > 64 and group in (4, 5) else min(1 << (n - 1).bit_length(), 64)
-                    assert plan["bn"] == tile, plan  # (N = 17-100 here)
+    for dtype, wi, w, enc, b, stages, splits in wide_tile_cases(monkeypatch, dense_row=200):
+        for n in (17, 24, 32, 33, 40, 64, 100) if wi == 0 else (20, 64):
+            x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+            monkeypatch.setenv("SPINFER_WGMMA", "0")
+            other = spmm_poisoned(x, enc, b)
+            monkeypatch.setenv("SPINFER_WGMMA", wgmma)
+            y = spmm_poisoned(x, enc, b)
+            check_against(y, other, x, w, b, (n, stages, splits))
+            plan = spmm_plan(enc, n, dtype=dtype)
+            runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32
+            assert runs or not wgmma_can_run(), plan
+            group = int(wgmma)
+            assert plan["wgmma"] == (group if runs else 0), plan
+            tile = 128 if runs and n > 64 and group in (4, 5) else min(1 << (n - 1).bit_length(), 64)
+            assert plan["bn"] == tile, plan  # (N = 17-100 here)
     monkeypatch.delenv("SPINFER_STAGES", raising=False)
     monkeypatch.delenv("SPINFER_SPLITS", raising=False)
     enc = TCABME.from_dense(random_sparse((300, 1000), 0.5, torch.float16, device="cuda"))
@@ -280,25 +288,20 @@ def test_warp_group_two_rows_forced(monkeypatch):
     unsplit, 2 and 3 stages, a stage of a single GroupTile (1450 columns), a dense GroupTile and a
     dense row, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports 2 rows only where the
     variant runs; by default it takes them at BN = 64 where they keep more GroupTile rows resident."""
-    for dtype in (torch.float16, torch.bfloat16):
-        # the dense row in the last block (whose second GroupTile row lies past the weight)
-        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=4000, extra=((640, 1000), (64, 1000)))):
-            enc = TCABME.from_dense(w)
-            b = torch.randn(w.shape[0], device="cuda").to(dtype)
-            for stages, splits in STAGES_SPLITS:
-                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
-                for n in (17, 32, 33, 64, 100) if wi == 0 else (20, 64):
-                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
-                    monkeypatch.setenv("SPINFER_SMBD_ROWS", "1")
-                    other = spmm_poisoned(x, enc, b)
-                    assert spmm_plan(enc, n, dtype=dtype)["rows"] == 1
-                    monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
-                    y = spmm_poisoned(x, enc, b)
-                    check_against(y, other, x, w, b, (wi, n, stages, splits))
-                    plan = spmm_plan(enc, n, dtype=dtype)
-                    runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] in (4, 5)
-                    assert runs or not wgmma_can_run(), plan
-                    assert plan["rows"] == (2 if runs else 1), plan
+    # the dense row in the last block (whose second GroupTile row lies past the weight)
+    for dtype, wi, w, enc, b, stages, splits in wide_tile_cases(monkeypatch, 4000, ((640, 1000), (64, 1000))):
+        for n in (17, 32, 33, 64, 100) if wi == 0 else (20, 64):
+            x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+            monkeypatch.setenv("SPINFER_SMBD_ROWS", "1")
+            other = spmm_poisoned(x, enc, b)
+            assert spmm_plan(enc, n, dtype=dtype)["rows"] == 1
+            monkeypatch.setenv("SPINFER_SMBD_ROWS", "2")
+            y = spmm_poisoned(x, enc, b)
+            check_against(y, other, x, w, b, (wi, n, stages, splits))
+            plan = spmm_plan(enc, n, dtype=dtype)
+            runs = plan["bulk"] and plan["lean"] and plan["bn"] >= 32 and plan["wgmma"] in (4, 5)
+            assert runs or not wgmma_can_run(), plan
+            assert plan["rows"] == (2 if runs else 1), plan
     monkeypatch.delenv("SPINFER_STAGES", raising=False)
     monkeypatch.setenv("SPINFER_SPLITS", "2")  # 32 GroupTiles a split, at which the rule compares occupancy
     taken = set()
@@ -335,35 +338,30 @@ def test_rows_above_at_bn32_forced(monkeypatch):
     dense GroupTile and a dense row, split and unsplit, 2 and 3 stages, a stage of a single
     GroupTile, 0% and 99.9% sparsity, bias, fp16 and bf16. The plan reports which one runs; without
     the weight's row table the decoding warps count; blocks of two GroupTile rows count in each warp."""
-    for dtype in (torch.float16, torch.bfloat16):
-        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=4000)):
-            enc = TCABME.from_dense(w)
-            b = torch.randn(w.shape[0], device="cuda").to(dtype)
-            for stages, splits in STAGES_SPLITS:
-                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits)
-                for group in ("4", "5"):
-                    monkeypatch.setenv("SPINFER_WGMMA", group)
-                    n = 17 if wi % 2 else 32
-                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
-                    set_overrides(monkeypatch, COUNT_ROWS="0", ROW_TABLE="0")
-                    other = spmm_poisoned(x, enc, b)
-                    plan = spmm_plan(enc, n, dtype=dtype)
-                    runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == int(group)
-                    assert runs or not wgmma_can_run(), plan
-                    assert not plan["count_rows"] and not plan["row_table"], plan
-                    for count, table in ((None, None), ("0", None)):
-                        set_overrides(monkeypatch, COUNT_ROWS=count, ROW_TABLE=table)
-                        y = spmm_poisoned(x, enc, b)
-                        check_against(y, other, x, w, b, (wi, n, stages, splits, group, count))
-                        plan = spmm_plan(enc, n, dtype=dtype)
-                        assert plan["count_rows"] == (runs and count is None), plan
-                        assert plan["row_table"] == (runs and count == "0"), plan
-                    if wi == 0:  # no row table handed in: the decoding warps count
-                        check_against(spmm_poisoned(x, enc, b, row_table=False), other, x, w, b, (wi, n, "no table"))
-                set_overrides(monkeypatch, COUNT_ROWS=None, ROW_TABLE=None, SMBD_ROWS="2")
-                plan = spmm_plan(enc, 32, dtype=dtype)
-                assert plan["rows"] == 1 or not (plan["count_rows"] or plan["row_table"]), plan
-                monkeypatch.delenv("SPINFER_SMBD_ROWS")
+    for dtype, wi, w, enc, b, stages, splits in wide_tile_cases(monkeypatch, dense_row=4000):
+        for group in ("4", "5"):
+            monkeypatch.setenv("SPINFER_WGMMA", group)
+            n = 17 if wi % 2 else 32
+            x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+            set_overrides(monkeypatch, COUNT_ROWS="0", ROW_TABLE="0")
+            other = spmm_poisoned(x, enc, b)
+            plan = spmm_plan(enc, n, dtype=dtype)
+            runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == int(group)
+            assert runs or not wgmma_can_run(), plan
+            assert not plan["count_rows"] and not plan["row_table"], plan
+            for count, table in ((None, None), ("0", None)):
+                set_overrides(monkeypatch, COUNT_ROWS=count, ROW_TABLE=table)
+                y = spmm_poisoned(x, enc, b)
+                check_against(y, other, x, w, b, (wi, n, stages, splits, group, count))
+                plan = spmm_plan(enc, n, dtype=dtype)
+                assert plan["count_rows"] == (runs and count is None), plan
+                assert plan["row_table"] == (runs and count == "0"), plan
+            if wi == 0:  # no row table handed in: the decoding warps count
+                check_against(spmm_poisoned(x, enc, b, row_table=False), other, x, w, b, (wi, n, "no table"))
+        set_overrides(monkeypatch, COUNT_ROWS=None, ROW_TABLE=None, SMBD_ROWS="2")
+        plan = spmm_plan(enc, 32, dtype=dtype)
+        assert plan["rows"] == 1 or not (plan["count_rows"] or plan["row_table"]), plan
+        monkeypatch.delenv("SPINFER_SMBD_ROWS")
 
 
 def test_overlap_at_bn32_where_the_grid_is_split(monkeypatch):
@@ -402,25 +400,21 @@ def test_token_tile_128(monkeypatch, rows, wgmma):
     split and unsplit, 2 and 3 stages, a stage of a single GroupTile, a dense GroupTile and a dense
     row, 0% and 99.9% sparsity, bias, fp16 and bf16. Where the wgmma form does not run, the plan
     falls back to 64-token tiles."""
-    for dtype in (torch.float16, torch.bfloat16):
-        for wi, w in enumerate(wide_tile_weights(dtype, dense_row=4000, extra=((640, 1000),))):
-            enc = TCABME.from_dense(w)
-            b = torch.randn(w.shape[0], device="cuda").to(dtype)
-            for stages, splits in STAGES_SPLITS:
-                set_overrides(monkeypatch, STAGES=stages, SPLITS=splits, SMBD_ROWS=rows, WGMMA=wgmma)
-                for n in (1, 65, 128, 129, 300) if wi == 0 else (100, 256):
-                    x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
-                    monkeypatch.setenv("SPINFER_BN", "64")
-                    other = spmm_poisoned(x, enc, b)
-                    monkeypatch.setenv("SPINFER_BN", "128" if n <= 64 else "0")  # 0: the planner's
-                    y = spmm_poisoned(x, enc, b)
-                    check_against(y, other, x, w, b, (wi, n, stages, splits))
-                    plan = spmm_plan(enc, n, dtype=dtype)
-                    runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == int(wgmma)
-                    assert runs or not wgmma_can_run(), plan
-                    assert plan["bn"] == (128 if runs else 64), plan
-                    assert plan["n_tiles"] == -(-n // plan["bn"]), plan
-                    assert plan["rows"] == (int(rows) if runs else 1), plan
+    for dtype, wi, w, enc, b, stages, splits in wide_tile_cases(monkeypatch, 4000, ((640, 1000),), SMBD_ROWS=rows,
+                                                                WGMMA=wgmma):
+        for n in (1, 65, 128, 129, 300) if wi == 0 else (100, 256):
+            x = torch.randn(n, w.shape[1], device="cuda").to(dtype)
+            monkeypatch.setenv("SPINFER_BN", "64")
+            other = spmm_poisoned(x, enc, b)
+            monkeypatch.setenv("SPINFER_BN", "128" if n <= 64 else "0")  # 0: the planner's
+            y = spmm_poisoned(x, enc, b)
+            check_against(y, other, x, w, b, (wi, n, stages, splits))
+            plan = spmm_plan(enc, n, dtype=dtype)
+            runs = plan["bulk"] and plan["lean"] and plan["wgmma"] == int(wgmma)
+            assert runs or not wgmma_can_run(), plan
+            assert plan["bn"] == (128 if runs else 64), plan
+            assert plan["n_tiles"] == -(-n // plan["bn"]), plan
+            assert plan["rows"] == (int(rows) if runs else 1), plan
     for env in ("SPINFER_STAGES", "SPINFER_SPLITS", "SPINFER_SMBD_ROWS", "SPINFER_BN", "SPINFER_WGMMA"):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("SPINFER_WGMMA", "1")  # groups of 1 have no 128-token tile: 64

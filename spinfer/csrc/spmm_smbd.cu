@@ -250,28 +250,6 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const bool budgets = p.bulk && p.lean && p.bn <= 16;
   const bool forced = budgets && (forced_budget == 7 || forced_budget == 8 || forced_budget == 9);
   p.min_blocks = !budgets ? 0 : forced ? forced_budget : 7;
-  // Who counts the rows above each decoding warp's row (spmm_smbd.cuh, rows_above): the producer
-  // warp once a stage (kCount) at BN = 16, and at BN = 8 where the longest run is at least 60% of
-  // a GroupTile (about 40% sparsity or less). Set before the split choice, which asks CUDA for the
-  // occupancy of the kernel that will run (the count's table adds static shared memory). H100, v14 (every warp counts) against the producer
-  // counting at every BN <= 16, separate processes, least of 3 rounds, four issue shapes, three
-  // rounds (docs/kernels.md, fiftieth session): N = 16 1-9% faster at 30, 50 and 70% sparsity;
-  // N = 1 and 8 1-6% faster at 30%, but 0.4% slower at 50% and 0.7% at 70%, where the count's wait
-  // for the stage moves onto the block barrier; those keep v14's code. SPINFER_COUNT_ROWS=0|1
-  // overrides (the lean sm_90 kernel at BN <= 16).
-  p.count_rows = budgets && (p.bn == 16 || p.value_cap * 5 >= kMaxValues * 3);
-  if (const char* env = std::getenv("SPINFER_COUNT_ROWS")) p.count_rows = budgets && env[0] == '1';
-  // Where the producer does not count the rows above (BN = 8 above ~40% sparsity), the decoding
-  // warps read them from the weight's row table (TCABME.row_offset, copied with each stage)
-  // instead of counting three rows of both GroupTiles every stage: the BN = 8 stage 408 -> 391
-  // instructions. H100, same process, least of 3 rounds, seven layers x N = 1 / 8 (fifty-fourth
-  // session, docs/kernels.md): 70% sparsity 1.466 -> 1.491x, 50% 1.350 -> 1.373x; end to end at
-  // batch 1 +2.3%. Where the producer counts (and so waits for the stage before the barrier) a
-  // probe measured the count faster than the table, so those keep it. At BN = 32 / 64
-  // the table variant compiled to no shorter a stage (484 against 483, 551 against 555), so only
-  // the default register budget at BN <= 16 has it. SPINFER_ROW_TABLE=0 turns it off.
-  p.row_table = row_table && budgets && p.lean && !p.count_rows && p.min_blocks == 7 &&
-                env_int("SPINFER_ROW_TABLE", 1) != 0;
   // The warp-group MMA variant (spmm_smbd.cuh, decode_gt_wg) at BN = 32, 64 and 128 on sm_90 with
   // the lean decode, where the driver makes tensor maps: groups of 4 TCTiles (a GroupTile), or
   // (SPINFER_WGMMA=0|1|2|3|4|5, A/B runs and tests) 1 or 2, 1 with one group in flight (3), plain
@@ -339,19 +317,38 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   // (eighty-second); with one row forced at 30% / 50%, 1.009 / 1.043 -> 1.018 / 1.053. With two rows
   // they were slower (1.036 / 1.076 -> 1.030 / 1.061), so blocks of two rows keep plain groups.
   if (forced_group < 0 && p.wgmma == 4 && p.bn == 64 && p.rows == 1) p.wgmma = kWgPair;
-  // At BN = 32 (wgmma, one GroupTile row a block) the producer warp counts the rows above each
-  // decoding warp's row, as at BN = 16, where every decoding warp counted its own (a chain of loads,
-  // PopCounts and a reduction before each stage's scan, up to 20 of ~430 instructions a stage for
-  // the warp of the last TCTile row). H100, same process, least of 2 rounds, 7 layers x N = 24 / 32
-  // (eighty-sixth session, docs/kernels.md), geomean x cuBLAS, the warps' count -> the producer's ->
-  // the row table: 30% 1.037 -> 1.074 -> 1.030, 50% 1.164 -> 1.194 -> 1.190, 70% 1.217 -> 1.238 ->
-  // 1.240 (28672x8192 N = 32 at 30%: 135.7 -> 128.5 us). SPINFER_COUNT_ROWS=0 takes the row table
-  // instead, and with SPINFER_ROW_TABLE=0 too the decoding warps count (A/B runs, tests).
-  if (p.bn == 32 && p.rows == 1 && (p.wgmma == 4 || p.wgmma == kWgPair)) {
-    const char* env = std::getenv("SPINFER_COUNT_ROWS");
-    p.count_rows = env == nullptr || env[0] == '1';
-    p.row_table = row_table && !p.count_rows && env_int("SPINFER_ROW_TABLE", 1) != 0;
-  }
+  // Who counts the rows above each decoding warp's row (spmm_smbd.cuh, rows_above). Set before the
+  // split choice, which asks CUDA for the occupancy of the kernel that will run (the count's table
+  // adds static shared memory). The kernels that have the producer's count and the row table: the
+  // lean sm_90 kernel at BN <= 16, and its wgmma groups of 4 (plain or overlapped) with one GroupTile
+  // row a block at BN = 32.
+  // - The producer warp, once a stage (kCount), at BN = 16 and 32, and at BN = 8 where the longest run
+  //   is at least 60% of a GroupTile (about 40% sparsity or less). H100, v14 (every warp counts)
+  //   against the producer counting at every BN <= 16, separate processes, least of 3 rounds, four
+  //   issue shapes, three rounds (docs/kernels.md, fiftieth session): N = 16 1-9% faster at 30, 50 and
+  //   70% sparsity; N = 1 and 8 1-6% faster at 30%, but 0.4% slower at 50% and 0.7% at 70%, where the
+  //   count's wait for the stage moves onto the block barrier; those keep v14's code. At BN = 32 each
+  //   decoding warp counted its own (a chain of loads, PopCounts and a reduction before each stage's
+  //   scan, up to 20 of ~430 instructions a stage for the warp of the last TCTile row). H100, same
+  //   process, least of 2 rounds, 7 layers x N = 24 / 32 (eighty-sixth session), geomean x cuBLAS,
+  //   the warps' count -> the producer's -> the row table: 30% 1.037 -> 1.074 -> 1.030, 50% 1.164 ->
+  //   1.194 -> 1.190, 70% 1.217 -> 1.238 -> 1.240 (28672x8192 N = 32 at 30%: 135.7 -> 128.5 us).
+  //   SPINFER_COUNT_ROWS=0|1 overrides.
+  // - Where the producer does not count, the decoding warps read them from the weight's row table
+  //   (TCABME.row_offset, copied with each stage) instead of counting three rows of both GroupTiles
+  //   every stage: the BN = 8 stage 408 -> 391 instructions. H100, same process, least of 3 rounds,
+  //   seven layers x N = 1 / 8 (fifty-fourth session, docs/kernels.md): 70% sparsity 1.466 -> 1.491x,
+  //   50% 1.350 -> 1.373x; end to end at batch 1 +2.3%. Where the producer counts (and so waits for
+  //   the stage before the barrier) a probe measured the count faster than the table, so those keep
+  //   it; at BN = 32 it lost to the count at 30% and tied it at 70% (above). The BN = 8 / 16 kernels
+  //   have it at the default register budget only. SPINFER_ROW_TABLE=0 turns it off, and the decoding
+  //   warps count.
+  const bool wg32 = p.bn == 32 && p.rows == 1 && (p.wgmma == 4 || p.wgmma == kWgPair);
+  const bool counts = budgets || wg32;  // the kernel has the producer's count and the row table
+  p.count_rows = counts && (p.bn >= 16 || p.value_cap * 5 >= kMaxValues * 3);
+  if (const char* env = std::getenv("SPINFER_COUNT_ROWS")) p.count_rows = counts && env[0] == '1';
+  p.row_table = row_table && (wg32 || (budgets && p.min_blocks == 7)) && !p.count_rows &&
+                env_int("SPINFER_ROW_TABLE", 1) != 0;
   // At BN = 32 the overlapped groups where the split rule splits their grid. They hold 74 registers
   // to plain groups' 58 (sm_90a fp16): 4 resident blocks where plain groups keep 5-6 at 50-70%. With
   // the same split count they ran 5-8% faster on the 4096-wide layers (H100, same process, least of

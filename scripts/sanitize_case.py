@@ -1,5 +1,5 @@
 """Small and odd launches for compute-sanitizer (memcheck, racecheck, synccheck): SpMM with
-split-K on and off, 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
+split-K on and off (its reducer by ticket, the default, as the last stages start), 2 to 4 pipeline stages, stages holding one GroupTile (odd K), both decode
 variants, the three register budgets, the rows above counted by the producer warp, by each warp or read
 from the weight's row table (also a corrupt one), the next stage requested after the
 first has landed or with it, wgmma or mma.sync at BN = 32 and 64 (token tiles under BN: x rows no copy

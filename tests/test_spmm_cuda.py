@@ -568,6 +568,8 @@ def test_plan_reports_the_launch():
         assert p["count_rows"] or n != 32 or not wgmma_can_run(), p
         # the next stage waits for the first to land at BN = 8 where the producer does not count rows
         assert p["stagger"] == (p["bulk"] and p["bn"] == 8 and not p["count_rows"]), (n, p)
+        # a split grid's reducer by ticket with the sm_90 loader (the default register budgets)
+        assert p["ticket"] == (p["bulk"] and p["splits"] > 1 and p["min_blocks"] in (0, 7)), (n, p)
     for sparsity, long_runs in ((0.3, True), (0.5, False), (0.8, False)):
         p = spmm_plan(TCABME.from_dense(random_sparse((128, 1024), sparsity, torch.float16, device="cuda")), 1)
         assert p["count_rows"] == (p["bulk"] and long_runs), (sparsity, p)
@@ -747,6 +749,35 @@ def test_split_k_and_stages_forced(monkeypatch, splits, stages, n):
     w = random_sparse((300, 1450), 0.5, torch.float16, device="cuda")
     check(w, [n], torch.float16)
     check(w, [n], torch.float16)  # counters are re-armed by the kernel: a second call is right too
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_reducer_by_ticket_or_by_arrival(monkeypatch, dtype):
+    """Split-K's reducer chosen by a ticket as each block's last stage starts (SpmmPlan::ticket, the
+    sm_90 loader's default) or by the last arrival (SPINFER_SPLIT_TICKET=0): the same sum in the same
+    split order, so the same bits, at every token tile (N = 1 / 9 / 24 / 40 / 65: BN 8-128), blocks of
+    two GroupTile rows, 2-7 splits and 3 stages; each launch leaves the counters zero for the other
+    protocol (the arrival compares the whole counter), and repeated launches agree."""
+    for (m, k), sparsity in [((300, 1450), 0.5), ((4097, 1000), 0.3), ((700, 3000), 0.7)]:
+        w = random_sparse((m, k), sparsity, dtype, device="cuda")
+        w[-1, :] = torch.randn(k, device="cuda").to(dtype)  # one dense row, in the bottom tile
+        enc = TCABME.from_dense(w)
+        b = torch.randn(m, device="cuda").to(dtype)
+        for n in (1, 9, 24, 40, 65):
+            x = torch.randn(n, k, device="cuda").to(dtype)
+            for splits, stages, rows in (("2", None, None), ("3", "3", None), ("7", None, "2"), (None, None, None)):
+                set_overrides(monkeypatch, SPLITS=splits, STAGES=stages, SMBD_ROWS=rows, SPLIT_TICKET=None)
+                plan = spmm_plan(enc, n, dtype=dtype)
+                where = (m, k, n, splits, stages, rows, plan)
+                assert plan["ticket"] == (plan["bulk"] and plan["splits"] > 1), where
+                assert plan["splits"] > 1 or splits is None, where
+                by_ticket = [spmm_poisoned(x, enc, b) for _ in range(2)]
+                set_overrides(monkeypatch, SPLIT_TICKET="0")
+                assert not spmm_plan(enc, n, dtype=dtype)["ticket"], where
+                by_arrival = spmm_poisoned(x, enc, b)
+                check_against(by_ticket[0], by_arrival, x, w, b, where)
+                assert torch.equal(by_ticket[0], by_arrival) and torch.equal(by_ticket[1], by_arrival), where
+    set_overrides(monkeypatch, SPLITS=None, STAGES=None, SMBD_ROWS=None, SPLIT_TICKET=None)
 
 
 def test_split_counters_shared_across_calls_and_streams(monkeypatch):

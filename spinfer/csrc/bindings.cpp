@@ -242,6 +242,7 @@ void run(const Prepared& p, const at::Tensor& gtile_offset, int64_t m, int64_t m
   a.nvalues = p.values.numel();
   a.x_l1 = plan.x_l1;
   a.stagger = plan.stagger;
+  a.ticket = plan.ticket;
   a.bf16 = bf16;
   C10_CUDA_CHECK(spmm_smbd_run(a, plan, at::cuda::getCurrentCUDAStream()));
 }
@@ -410,7 +411,7 @@ std::vector<int64_t> spmm_plan_cuda(const at::Tensor& x, int64_t m, int64_t k, i
                                     /*row_table=*/true);  // spinfer.spmm passes every weight's table
   return {p.bn, p.n_tiles, p.grid_m, p.grid_k, p.splits, p.k_per_split, p.stages, p.value_cap, p.smem_bytes,
           spmm_smbd_resident_blocks(p, bf16, x.get_device()), p.min_blocks, p.lean, p.bulk, p.x_l1,
-          p.count_rows, p.stagger, p.row_table, p.wgmma, p.rows};
+          p.count_rows, p.stagger, p.row_table, p.wgmma, p.rows, p.ticket};
 }
 
 // The fused low-bit kernel's launch for x's N, dtype and device and an [m, k] weight of `bits` and

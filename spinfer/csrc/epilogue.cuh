@@ -75,6 +75,39 @@ __device__ __forceinline__ bool arrive_last(int32_t* counters, int64_t tile, int
   return *s_is_last;
 }
 
+// Split-K with the reducer chosen ahead (the SMBD kernel on sm_90, SpmmArgs::ticket): the arrival
+// above puts a fence (the wait for the block's partial stores to be acknowledged), an atomic and a
+// barrier between the last block's main loop and its first read of the other partials, and the
+// last block of the launch ends it. Here a block takes a ticket when its last stage starts (the
+// SMBD producer warp, idle by then): the last ticket of a tile makes that block the reducer, and
+// its producer lane waits for the others' partials while its decoding warps run the last stage.
+// The others, after their stores, count themselves as stored with a release (the arrival's fence
+// and atomic, off the reducer's path). counters[tile]: tickets in bits 0-15, stored partials in
+// bits 16-31; the reducer re-arms it to zero. It can wait only on blocks that took their tickets
+// before it, so are resident and past their last stage: no deadlock. The sum is the same, in split
+// order, whichever block runs it: bit for bit what arrive_last's reducer gives.
+// Called by one thread, once its block's last stage has started; true: this block reduces, with the
+// other splits' partials visible to it (acquire; a block barrier before the reads extends it to the
+// block, as in arrive_last).
+__device__ __forceinline__ bool take_reducer_ticket(int32_t* counters, int64_t tile, int splits) {
+  if ((atomicAdd(counters + tile, 1) & 0xffff) != splits - 1) return false;
+  while ((ptx::ld_acquire_gpu(counters + tile) >> 16) != splits - 1) {
+  }
+  return true;
+}
+
+// After every thread has stored its share of the block's partials, with *s_is_last set by
+// take_reducer_ticket: whether this block reduces. Every thread of the block must call it.
+__device__ __forceinline__ bool arrive_ticketed(int32_t* counters, int64_t tile, int tid, int* s_is_last) {
+  __syncthreads();
+  const bool last = *s_is_last;
+  if (!last && tid == 0) {
+    ptx::fence_acq_rel_gpu();  // release: the block's partials before the count
+    atomicAdd(counters + tile, 1 << 16);
+  }
+  return last;
+}
+
 // Writes a block's results. A lane of a warp that holds accumulators (has_acc) holds rows
 // m_base + m_local (+8) and token columns n0 + nb*8 + 2*(lane%4) (+1) of each n8 sub-tile;
 // other warps (a copy-issuing producer) only help with the reduction.
@@ -92,11 +125,12 @@ __device__ __forceinline__ bool arrive_last(int32_t* counters, int64_t tile, int
 // x N = 1 / 8 / 16, geomean x cuBLAS 1.251 / 1.232 -> 1.290 / 1.295 at 50% sparsity and 1.351 /
 // 1.351 -> 1.393 / 1.406 at 70%, +3-11% at N = 8 and 16 on split layers, N = 1 unchanged.
 // The partial tiles of tile `tile` sit split_stride floats apart, split 0 first.
+// ticketed: the block's reducer role was set ahead in *s_is_last (take_reducer_ticket).
 template <bool kBF16, int BN, int kBlockRows, int kThreads, bool kVectorSum = true>
 __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_local, int n0, int64_t tile,
                                            int64_t split_stride, int split, int splits,
                                            const float (&acc)[BN / 8][4], int lane, int tid, int* s_is_last,
-                                           bool has_acc = true) {
+                                           bool has_acc = true, bool ticketed = false) {
   static_assert(kBlockRows % 4 == 0, "the split-K reduction reads float4 rows");
   const int tq = lane % 4;
   if (splits == 1) {
@@ -124,7 +158,9 @@ __device__ __forceinline__ void store_tile(const TileOut& o, int m_base, int m_l
         if (nb * 8 + 2 * tq + (e % 2) < valid)
           part[(nb * 8 + 2 * tq + (e % 2)) * kBlockRows + m_local + (e / 2) * 8] = acc[nb][e];
   }
-  if (!arrive_last(o.counters, tile, splits, tid, s_is_last)) return;
+  const bool last = ticketed ? arrive_ticketed(o.counters, tile, tid, s_is_last)
+                             : arrive_last(o.counters, tile, splits, tid, s_is_last);
+  if (!last) return;
   const float* tile_base = o.workspace + tile * kTileFloats;
   if constexpr (kVectorSum) {
     reduce_splits<kBF16, kBlockRows, kThreads>(o, tile_base, split_stride, splits, m_base, n0, valid * kBlockRows, tid);

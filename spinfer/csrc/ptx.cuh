@@ -202,6 +202,13 @@ __device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
 // (acquire), the pattern that publishes a block's global writes to the block that reads them.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
+// Device-scope acquire load (a split-K reducer reading the count of the partials stored before it).
+__device__ __forceinline__ int ld_acquire_gpu(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // ---- sm_90: bulk async copies completing on an mbarrier (the copy engine moves a whole
 // contiguous run, so one thread issues what 128 threads of cp.async would) ----------------
 

@@ -395,6 +395,13 @@ SpmmPlan spmm_smbd_plan(int m, int n, int kp, int max_run, bool bf16, int device
   const bool staggers = p.bulk && p.bn == 8 && !p.count_rows;
   p.stagger = staggers;
   if (const char* env = std::getenv("SPINFER_STAGGER")) p.stagger = staggers && env[0] == '1';
+  // Split-K's reducer by ticket (epilogue.cuh, take_reducer_ticket): chosen as the blocks' last
+  // stages start, its producer lane waiting for the other partials while its last stage decodes,
+  // where the last arrival's fence and atomic ran between its loop and its sum. The 40- and
+  // 48-register variants (SPINFER_MIN_BLOCKS=8|9) keep the arrival: the ticket's code spilled them.
+  // SPINFER_SPLIT_TICKET=0 keeps it everywhere (A/B runs, tests).
+  p.ticket = p.bulk && p.splits > 1 && (p.min_blocks == 0 || p.min_blocks == 7) &&
+             env_int("SPINFER_SPLIT_TICKET", 1) != 0;
   if (p.splits > 1) {
     p.counters = p.n_tiles * ((p.grid_m + p.rows - 1) / p.rows);
     p.workspace_floats = static_cast<int64_t>(p.splits) * p.counters * p.bn * kGt * p.rows;

@@ -713,8 +713,19 @@ __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
     // the barrier that may be reached from different code): one shared loop cost the decoding
     // warps the producer's test and stage bookkeeping every step.
     const bool producer = kBulk && warp == kWarps * kRows;
+    // (the 40- and 48-register caps at BN <= 16 keep the arrival: the ticket's code spilled them)
+    constexpr bool kTicket = kBulk && (kMinB == 0 || kMinB == 7);
     if constexpr (kBulk) {
       if (producer) {
+        // args.ticket: the split-K reducer is chosen as each block's last stage starts, and the
+        // reducer's producer lane waits for the other partials while the last stage decodes
+        // (epilogue.cuh, take_reducer_ticket), off the path between the loop and the sum.
+        const bool ticketed = kTicket && args.ticket && splits > 1;
+        auto take_ticket = [&] {
+          const int64_t tile = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+          if (lane == 0) s_is_last = take_reducer_ticket(args.counters, tile, splits);
+          __syncwarp();
+        };
         // kCount: once stage q has landed, the producer counts the set bits of its TCTile
         // rows 0-2 (rows_above for each decoding warp's row) into s_above, and the next block
         // barrier publishes them. Otherwise every decoding warp counts the rows above its own,
@@ -740,8 +751,10 @@ __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
         ptx::griddep_wait();  // x is the previous kernel's output
         for (int st = 0; st < S - 1 && st < np; ++st) issue_x(st, st);
         if (kCount && np > 0) count_rows(0);  // waits for stage 0
+        if (ticketed && np == 0) take_ticket();
         for (int p = 0, ps = S - 1; p < np; ++p) {
           ptx::bar_sync_block();  // all warps are done with stage ps, which the prefetch overwrites
+          if (ticketed && p == np - 1) take_ticket();  // the decoding warps start the last stage
           // stagger (BN = 8): stage S - 1 is requested once stage 0 has landed. All blocks of a
           // one-wave grid start together, and with their first two stages requested at once each
           // block's first landed 3-5 us after its start, the DRAM serving the second stages too.
@@ -799,7 +812,7 @@ __global__ void __launch_bounds__((kThreads<kBulk, kRows>), kMinB)
     const int64_t split_stride = static_cast<int64_t>(gridDim.x) * gridDim.y * BN * kGt * kRows;
     store_tile<kBF16, BN, kGt * kRows, kBlock, kVectorSum>(out, b.row * kGt, warp * 16 + lane / 4, b.n0, tile,
                                                            split_stride, b.split, splits, acc, lane, tid, &s_is_last,
-                                                           !producer);
+                                                           !producer, kTicket && args.ticket);
   }
 }
 

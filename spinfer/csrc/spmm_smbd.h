@@ -25,6 +25,7 @@ struct SpmmArgs {
   bool x_l1;                    // the activation copies go through L1 (SpmmPlan::x_l1)
   bool evict_first;             // bitmaps and values under L2's evict_first policy (set by the launch)
   bool stagger;                 // the second stage waits for the first to land (SpmmPlan::stagger)
+  bool ticket;                  // split-K reducer by ticket (SpmmPlan::ticket)
 };
 
 struct SpmmPlan {
@@ -66,6 +67,9 @@ struct SpmmPlan {
                     // on sm_90 with the lean decode, at BN = 8 and 16 groups of 4 at the default
                     // register budget only (spmm_smbd.cu); SPINFER_WGMMA=0|1|2|3|4 and
                     // SPINFER_WGMMA_SMALL=0 (mma.sync at BN <= 16) override
+  bool ticket;      // split-K: the sm_90 producer takes its block's reducer ticket as the last stage
+                    // starts (epilogue.cuh, take_reducer_ticket), where the grid is split, at the
+                    // default register budgets; SPINFER_SPLIT_TICKET=0 keeps the last arrival
   int rows;         // GroupTile rows a block: 1, or 2 (wgmma groups of 4 at BN >= 32), whose two warp
                     // groups share the stage's x slice (spmm_smbd.cu); the launch grid has
                     // ceil(grid_m / rows) block rows, and a split-K tile is rows x 64 outputs

@@ -199,7 +199,7 @@ def entry_args(weight: TCABME, splits: int) -> tuple:
 # Field names of spinfer::spmm_plan's result, in order (spinfer/csrc/spmm_smbd.h, SpmmPlan).
 PLAN_FIELDS = ("bn", "n_tiles", "grid_m", "grid_k", "splits", "k_per_split", "stages", "value_cap", "smem_bytes",
                "resident_blocks", "min_blocks", "lean", "bulk", "x_l1", "count_rows", "stagger", "row_table",
-               "wgmma", "rows")
+               "wgmma", "rows", "ticket")
 
 
 def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, device="cuda",
@@ -225,7 +225,9 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     ``SPINFER_WGMMA_SMALL=0`` or ``SPINFER_WGMMA=0``, else 0; ``rows``: the
     GroupTile rows a block (1, or 2 where wgmma runs groups of 4 or 5 at ``bn`` >= 32: the two rows' warp
     groups share each stage's activation slice; the planner takes 2 at ``bn`` >= 64 where that keeps
-    more rows resident, ``SPINFER_SMBD_ROWS=1|2`` forces one).
+    more rows resident, ``SPINFER_SMBD_ROWS=1|2`` forces one); ``ticket``: whether a split grid's
+    reducer is the block that takes a tile's last ticket as its last stage starts (the sm_90 loader at
+    the default register budgets; ``SPINFER_SPLIT_TICKET=0`` keeps the last block to arrive).
     Environment overrides (``SPINFER_SPLITS``, ``SPINFER_STAGES``, ...) apply as they do to a
     launch."""
     device = torch.device(device)
@@ -245,6 +247,6 @@ def spmm_plan(weight: TCABME, n: int, *, dtype: torch.dtype = torch.float16, dev
     x = torch.empty((n, 1), dtype=dtype, device=device).expand(n, k)  # only N, dtype and device are read
     values = torch.ops.spinfer.spmm_plan(x, m, k, weight.max_run, splits)
     plan = dict(zip(PLAN_FIELDS, values))
-    for flag in ("lean", "bulk", "x_l1", "count_rows", "stagger", "row_table"):
+    for flag in ("lean", "bulk", "x_l1", "count_rows", "stagger", "row_table", "ticket"):
         plan[flag] = bool(plan[flag])
     return plan

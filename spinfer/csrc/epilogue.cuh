@@ -84,7 +84,7 @@ __device__ __forceinline__ bool arrive_last(int32_t* counters, int64_t tile, int
 // The others, after their stores, count themselves as stored with a release (the arrival's fence
 // and atomic, off the reducer's path). counters[tile]: tickets in bits 0-15, stored partials in
 // bits 16-31; the reducer re-arms it to zero. It can wait only on blocks that took their tickets
-// before it, so are resident and past their last stage: no deadlock. The sum is the same, in split
+// before it, so are resident and in their last stage: no deadlock. The sum is the same, in split
 // order, whichever block runs it: bit for bit what arrive_last's reducer gives.
 // Called by one thread, once its block's last stage has started; true: this block reduces, with the
 // other splits' partials visible to it (acquire; a block barrier before the reads extends it to the

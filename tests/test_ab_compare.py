@@ -1,6 +1,7 @@
 """benchmarks/ab_spmm.compare, the A/B harness of the planner's tuning runs, on the CPU: each
 call keeps its least median over shuffled rounds (spinfer.timing.least_of_rounds), and each
-configuration's environment is in force when its op runs."""
+configuration's environment is in force when its op runs; the --plans lines of ab_spmm and
+ab_lowbit."""
 
 import os
 import sys
@@ -12,6 +13,7 @@ import torch
 import spinfer.timing as timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ab_lowbit  # noqa: E402
 import ab_spmm  # noqa: E402
 
 
@@ -82,3 +84,36 @@ def test_plans_are_asked_under_each_configuration(monkeypatch, capsys):
         "plan   128x768   N=32  auto: bn 32 wg 5 rows 1 splits 3x4 res 4 | SPLITS=2: bn 32 wg 5 rows 1 splits 2x6 res 4",
     ]
     assert "SPINFER_SPLITS" not in os.environ  # the planner's own choice is restored
+
+
+def test_lowbit_plans_are_asked_under_each_configuration(monkeypatch, capsys):
+    """ab_lowbit --plans: one line per weight and N, each configuration's launch (the GEMV with its
+    loader, the balanced schedule, or row tiles with their splits and split tail rows) asked with
+    its environment and dtype in force, and the planner's own choice restored after."""
+    lowbit_ops = sys.modules["spinfer.ops.lowbit_mm"]
+    monkeypatch.delenv("SPINFER_LOWBIT_SPLITS", raising=False)
+    asked = []
+
+    def fake_plan(q, n, *, dtype):
+        asked.append(dtype)
+        splits = int(os.environ.get("SPINFER_LOWBIT_SPLITS", "0"))
+        plan = dict(bn=8 if n <= 8 else 16, splits=1, iters_per_split=q, tail_splits=0, tail_iters=0, tile_rows=64,
+                    gemv=n == 1 and splits == 0, gemv_ring=2, gemv_warps=4, balanced=splits < 0, resident_blocks=3)
+        if splits > 1:
+            plan.update(splits=splits, iters_per_split=q // splits)
+        elif splits == 0 and n > 1:
+            plan.update(tail_splits=3, tail_iters=q // 3)
+        return plan
+
+    monkeypatch.setattr(lowbit_ops, "lowbit_plan", fake_plan)
+    ab_lowbit.print_plans(["auto", "LOWBIT_SPLITS=2", "LOWBIT_SPLITS=-1"], [((333, 2048), 12)], [1, 16],
+                          torch.bfloat16)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "plan   333x2048  N=1   auto: gemv ring 2 warps 4 bn 8 splits 1x12 res 3 | "
+        "LOWBIT_SPLITS=2: rows 64 bn 8 splits 2x6 res 3 | LOWBIT_SPLITS=-1: balanced bn 8 splits 1x12 res 3",
+        "plan   333x2048  N=16  auto: rows 64 bn 16 splits 1x12 tail 3x4 res 3 | "
+        "LOWBIT_SPLITS=2: rows 64 bn 16 splits 2x6 res 3 | LOWBIT_SPLITS=-1: balanced bn 16 splits 1x12 res 3",
+    ]
+    assert asked == [torch.bfloat16] * 6
+    assert "SPINFER_LOWBIT_SPLITS" not in os.environ  # the planner's own choice is restored

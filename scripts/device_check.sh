@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the extension, run the GPU tests, the sanitizers and the SpMM
 # benchmark; logs under $OUT (default /tmp/spinfer-out); a short table is printed last.
-#   scripts/device_check.sh [tests-wgmma] [ab-spmm] [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
+#   scripts/device_check.sh [tests-wgmma] [ab-spmm] [ab-lowbit] [tests] [tests-cp-async] [sanitize] [bench] [bench-full] [bench-lowbit]
 #                           [bench-to-dense] [e2e] [host] [ncu-spmm] [ncu-lowbit]
 #   (default: tests tests-cp-async sanitize bench bench-lowbit bench-to-dense; the build always runs)
 #   The sanitize step runs three tools on scripts/sanitize_case.py with both loaders: more than one
@@ -39,6 +39,17 @@ if [[ " $steps " == *" ab-spmm "* ]]; then
             --shapes "${AB_SHAPES:-28672x8192,8192x28672,14336x4096,4096x14336}" --ns "${AB_NS:-24,32,64}" \
             >"$OUT/ab-spmm-$s.log" 2>&1 || status=1
         tail -n 16 "$OUT/ab-spmm-$s.log"
+    done
+fi
+if [[ " $steps " == *" ab-lowbit "* ]]; then
+    # the fused low-bit kernel's overrides against each other in one process (benchmarks/ab_lowbit.py),
+    # one process a width: AB_LOWBIT_CONFIGS, AB_LOWBIT_QUANTS (bits:group, space-separated),
+    # AB_LOWBIT_SHAPES, AB_LOWBIT_NS; each case's launch is printed first
+    for q in ${AB_LOWBIT_QUANTS:-4:128}; do
+        python3 benchmarks/ab_lowbit.py --plans --configs "${AB_LOWBIT_CONFIGS:-auto,LOWBIT_SPLITS=1}" --rounds 2 --quant "$q" \
+            --shapes "${AB_LOWBIT_SHAPES:-28672x8192,8192x28672,14336x4096,4096x14336}" --ns "${AB_LOWBIT_NS:-8,16,32}" \
+            >"$OUT/ab-lowbit-${q/:/g}.log" 2>&1 || status=1
+        tail -n 16 "$OUT/ab-lowbit-${q/:/g}.log"
     done
 fi
 if [[ " $steps " == *" tests "* ]]; then

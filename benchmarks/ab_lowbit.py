@@ -16,7 +16,7 @@ import torch
 import spinfer
 from spinfer.quant import LowBitWeight
 
-from ab_spmm import apply, build_cases, compare  # benchmarks/ is on sys.path when this script runs
+from ab_spmm import build_cases, compare, print_launches  # benchmarks/ is on sys.path when this script runs
 
 
 def main():
@@ -56,19 +56,14 @@ def print_plans(configs, weights, ns, dtype=torch.float16):
     (lowbit_plan)."""
     from spinfer.ops.lowbit_mm import lowbit_plan
 
-    for (m, k), q in weights:
-        for n in ns:
-            cells = []
-            for c in configs:
-                apply(c)
-                p = lowbit_plan(q, n, dtype=dtype)
-                kind = (f"gemv ring {p['gemv_ring']} warps {p['gemv_warps']}" if p["gemv"]
-                        else "balanced" if p["balanced"] else f"rows {p['tile_rows']}")
-                tail = f" tail {p['tail_splits']}x{p['tail_iters']}" if p["tail_splits"] > 1 else ""
-                cells.append(f"{c}: {kind} bn {p['bn']} splits {p['splits']}x{p['iters_per_split']}{tail} "
-                             f"res {p['resident_blocks']}")
-            apply("auto")
-            print(f"plan {m:>5}x{k:<5} N={n:<3} " + " | ".join(cells), flush=True)
+    def cell(q, n):
+        p = lowbit_plan(q, n, dtype=dtype)
+        kind = (f"gemv ring {p['gemv_ring']} warps {p['gemv_warps']}" if p["gemv"]
+                else "balanced" if p["balanced"] else f"rows {p['tile_rows']}")
+        tail = f" tail {p['tail_splits']}x{p['tail_iters']}" if p["tail_splits"] > 1 else ""
+        return f"{kind} bn {p['bn']} splits {p['splits']}x{p['iters_per_split']}{tail} res {p['resident_blocks']}"
+
+    print_launches(configs, weights, ns, cell)
 
 
 if __name__ == "__main__":

@@ -63,14 +63,24 @@ def print_plans(configs, encs, ns):
     blocks an SM (spmm_plan)."""
     from spinfer.ops.spmm import spmm_plan
 
-    for (m, k), enc in encs:
+    def cell(enc, n):
+        q = spmm_plan(enc, n)
+        return (f"bn {q['bn']} wg {q['wgmma']} rows {q['rows']} splits {q['splits']}x{q['k_per_split']} "
+                f"res {q['resident_blocks']}")
+
+    print_launches(configs, encs, ns, cell)
+
+
+def print_launches(configs, weights, ns, cell):
+    """The --plans lines of the A/B scripts: one per weight ((m, k), weight pairs) and N, with
+    cell(weight, n), the launch described under each configuration's environment; the planner's
+    own choice is restored after."""
+    for (m, k), w in weights:
         for n in ns:
             cells = []
             for c in configs:
                 apply(c)
-                q = spmm_plan(enc, n)
-                cells.append(f"{c}: bn {q['bn']} wg {q['wgmma']} rows {q['rows']} splits {q['splits']}"
-                             f"x{q['k_per_split']} res {q['resident_blocks']}")
+                cells.append(f"{c}: {cell(w, n)}")
             apply("auto")
             print(f"plan {m:>5}x{k:<5} N={n:<3} " + " | ".join(cells), flush=True)
 

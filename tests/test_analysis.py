@@ -99,8 +99,15 @@ def test_roofline_points_and_plot(tmp_path):
     c = R.Ceilings()
     fr = [R.roof_fraction(p, c) for p in pts]
     assert all(0 < f < 1.05 for f in fr)
-    R.plot(c, pts, tmp_path / "roof.png")
+    placed = R.plot(c, pts, tmp_path / "roof.png")
     assert (tmp_path / "roof.png").stat().st_size > 20_000
+    # One label per series and N, at that group's fastest point.
+    groups = {(p["kind"], p["N"]) for p in pts}
+    assert sorted((kind, n) for kind, n, _, _ in placed) == sorted(groups)
+    for kind, n, x, y in placed:
+        assert y == max(p["flops"] for p in pts if (p["kind"], p["N"]) == (kind, n)) / 1e12
+    assert {p["device"] for p in pts} == {"NVIDIA H100 80GB HBM3"}  # the CSV's device column: the title's
+    assert R.plot(c, pts, tmp_path / "bare.png", label_points=False) == []
 
 
 def test_roofline_lowbit_points(tmp_path):

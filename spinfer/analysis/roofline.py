@@ -106,7 +106,7 @@ def attainable(intensity: float, c: Ceilings) -> float:
 
 def points_from_bench_csv(path, max_n: Optional[int] = None) -> List[dict]:
     """Measured points from a ``bench_spmm`` CSV: cuBLAS and spmm per case, achieved
-    dense-equivalent FLOP/s at their intensity."""
+    dense-equivalent FLOP/s at their intensity, and the device the CSV names (None if none)."""
     pts = []
     with open(path) as f:
         for r in csv.DictReader(f):
@@ -114,9 +114,10 @@ def points_from_bench_csv(path, max_n: Optional[int] = None) -> List[dict]:
             if max_n is not None and n > max_n:
                 continue
             flops = 2.0 * m * k * n
-            pts.append({"kind": "cuBLAS", "M": m, "K": k, "N": n, "sparsity": s,
+            dev = r.get("device") or None
+            pts.append({"kind": "cuBLAS", "M": m, "K": k, "N": n, "sparsity": s, "device": dev,
                         "intensity": intensity_dense(m, k, n), "flops": flops / (float(r["cublas_us"]) * 1e-6)})
-            pts.append({"kind": f"spmm {int(round(s * 100))}%", "M": m, "K": k, "N": n, "sparsity": s,
+            pts.append({"kind": f"spmm {int(round(s * 100))}%", "M": m, "K": k, "N": n, "sparsity": s, "device": dev,
                         "intensity": intensity_spmm(m, k, n, float(r["cr"])),
                         "flops": flops / (float(r["spmm_us"]) * 1e-6)})
     return pts
@@ -133,6 +134,7 @@ def points_from_lowbit_csv(path, max_n: Optional[int] = None) -> List[dict]:
             if max_n is not None and n > max_n:
                 continue
             pts.append({"kind": f"w{bits} g{'ch' if group == k else group}", "M": m, "K": k, "N": n,
+                        "device": r.get("device") or None,
                         "intensity": intensity_lowbit(m, k, n, bits, group),
                         "flops": 2.0 * m * k * n / (float(r["lowbit_us"]) * 1e-6)})
     return pts
@@ -156,32 +158,73 @@ def roof_summary(points: List[dict], c: Ceilings, max_n: int = 16) -> dict:
     return out
 
 
-def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: bool = True) -> None:
+def _group_labels(points: List[dict]) -> List[tuple]:
+    """One label per series and N: (kind, N, the group's highest point). A series' points at one N
+    (one per shape) share its intensity within a few percent and differ in speed, so they stack;
+    a label for each would print the same text on top of itself."""
+    groups = {}
+    for p in points:
+        key = (p["kind"], p["N"])
+        if key not in groups or p["flops"] > groups[key]["flops"]:
+            groups[key] = p
+    return [(kind, n, p) for (kind, n), p in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+
+
+def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: bool = True) -> List[tuple]:
+    """The roofline (paper Figure 4) with the measured points, a series a colour and marker, each
+    series' points labelled with their token count N: one label per series and N, beside the
+    group's highest point, moved around it where it would cover a label already placed. The axes
+    span the points and the ridge, not decades of empty roof. Returns the labels placed: (kind, N,
+    x, y) in data coordinates."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(9, 6))
     ridge = c.flops / c.bandwidth
-    xs = [0.1, ridge, max(ridge * 10, 1e4)]
+    lo_x = min([p["intensity"] for p in points] + [ridge]) / 2
+    hi_x = max([p["intensity"] for p in points] + [ridge]) * 3
+    xs = [lo_x, ridge, hi_x]
     ax.loglog(xs, [attainable(x, c) / 1e12 for x in xs], color="black", lw=1.5,
               label=f"roof: {c.bandwidth / 1e9:.0f} GB/s, {c.flops / 1e12:.0f} TFLOP/s")
-    kinds = sorted({p["kind"] for p in points})
-    for kind in kinds:
+    colours = {}
+    for kind in sorted({p["kind"] for p in points}):
         sel = [p for p in points if p["kind"] == kind]
         marker = "^" if kind.startswith("w") else ("s" if kind == "cuBLAS" else "o")  # low-bit, dense, sparse
-        ax.scatter([p["intensity"] for p in sel], [p["flops"] / 1e12 for p in sel], s=16, label=kind, zorder=3,
-                   marker=marker)
-        if label_points:
-            for p in sel:
-                ax.annotate(f"N={p['N']}", (p["intensity"], p["flops"] / 1e12), fontsize=5, alpha=0.7,
-                            xytext=(2, 2), textcoords="offset points")
+        dots = ax.scatter([p["intensity"] for p in sel], [p["flops"] / 1e12 for p in sel], s=16, label=kind,
+                          zorder=3, marker=marker)
+        colours[kind] = dots.get_facecolor()[0]
+    ax.set_xlim(lo_x, hi_x)
+    ax.set_ylim(min(attainable(lo_x, c), min(p["flops"] for p in points)) / 1e12 / 1.5, c.flops / 1e12 * 1.5)
     ax.set_xlabel("computational intensity (dense-equivalent FLOP / byte)")
     ax.set_ylabel("TFLOP/s (dense-equivalent)")
-    ax.set_title(title or f"Roofline, {c.name}")
+    devices = sorted({p["device"] for p in points if p.get("device")})
+    roof = "measured" if c.measured else ("given" if c.name == "user-given" else f"of {c.name}")
+    ax.set_title(title or (f"Roofline, {devices[0]} (roof {roof})" if len(devices) == 1 else f"Roofline (roof {roof})"))
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
+    placed = []
+    if label_points:
+        fig.canvas.draw()  # fixes the transforms the overlap test reads
+        renderer = fig.canvas.get_renderer()
+        boxes = []
+        for kind, n, p in _group_labels(points):
+            xy = (p["intensity"], p["flops"] / 1e12)
+            for dx, dy in ((3, 2), (3, -8), (-3, 2), (-3, -8), (3, 8), (-3, 8), (3, -14), (-3, -14)):
+                text = ax.annotate(f"N={n}", xy, fontsize=6, color=colours[kind], xytext=(dx, dy),
+                                   textcoords="offset points", ha="left" if dx > 0 else "right")
+                box = text.get_window_extent(renderer).expanded(1.05, 1.1)
+                if not any(box.overlaps(b) for b in boxes):
+                    break
+                text.remove()
+            else:  # crowded on every side: the first place, over its neighbour
+                text = ax.annotate(f"N={n}", xy, fontsize=6, color=colours[kind], xytext=(3, 2),
+                                   textcoords="offset points")
+                box = text.get_window_extent(renderer)
+            boxes.append(box)
+            placed.append((kind, n, *xy))
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+    return placed

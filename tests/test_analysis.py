@@ -62,7 +62,11 @@ def test_sweep_crossover_and_plot(tmp_path):
     x = C.crossover(rows, "w4-g128")
     assert 0.7 < x < 0.9  # 4-bit (3.8x) is overtaken between 70% and 90%
     path = tmp_path / "cr.png"
-    C.plot(rows, path)
+    drawn = C.plot(rows, path)
+    # the expected series: scipy's four, the tiled formats, TCA-BME measured and by eq. 9, low-bit
+    assert drawn == ["dense", "csr", "csc", "coo", "bsr", "tiled-csl", "sparta", "tca-bme-eq9", "tca-bme",
+                     "w8-g128", "w4-g128"]
+    assert C.plot([{k: v for k, v in r.items() if k != "bsr"} for r in rows], tmp_path / "no-bsr.png")[4] == "tiled-csl"
     import matplotlib.image as mpimg
 
     img = mpimg.imread(path)

@@ -204,6 +204,7 @@ def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: b
     ax.set_title(title or (f"Roofline, {devices[0]} (roof {roof})" if len(devices) == 1 else f"Roofline (roof {roof})"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()  # before the labels: it moves the axes, and with them the boxes compared below
     placed = []
     if label_points:
         fig.canvas.draw()  # fixes the transforms the overlap test reads
@@ -224,7 +225,6 @@ def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: b
                 box = text.get_window_extent(renderer)
             boxes.append(box)
             placed.append((kind, n, *xy))
-    fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return placed

@@ -167,7 +167,7 @@ def _group_labels(points: List[dict]) -> List[tuple]:
         key = (p["kind"], p["N"])
         if key not in groups or p["flops"] > groups[key]["flops"]:
             groups[key] = p
-    return [(kind, n, p) for (kind, n), p in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+    return [(kind, n, p) for (kind, n), p in sorted(groups.items())]  # (keys are unique)
 
 
 def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: bool = True) -> List[tuple]:
@@ -210,19 +210,22 @@ def plot(c: Ceilings, points: List[dict], path, title: str = "", label_points: b
         fig.canvas.draw()  # fixes the transforms the overlap test reads
         renderer = fig.canvas.get_renderer()
         boxes = []
+        places = ((3, 2), (3, -8), (-3, 2), (-3, -8), (3, 8), (-3, 8), (3, -14), (-3, -14))  # points off xy
         for kind, n, p in _group_labels(points):
             xy = (p["intensity"], p["flops"] / 1e12)
-            for dx, dy in ((3, 2), (3, -8), (-3, 2), (-3, -8), (3, 8), (-3, 8), (3, -14), (-3, -14)):
+
+            def put(dx, dy):
                 text = ax.annotate(f"N={n}", xy, fontsize=6, color=colours[kind], xytext=(dx, dy),
                                    textcoords="offset points", ha="left" if dx > 0 else "right")
-                box = text.get_window_extent(renderer).expanded(1.05, 1.1)
+                return text, text.get_window_extent(renderer).expanded(1.05, 1.1)
+
+            for dx, dy in places:
+                text, box = put(dx, dy)
                 if not any(box.overlaps(b) for b in boxes):
                     break
                 text.remove()
             else:  # crowded on every side: the first place, over its neighbour
-                text = ax.annotate(f"N={n}", xy, fontsize=6, color=colours[kind], xytext=(3, 2),
-                                   textcoords="offset points")
-                box = text.get_window_extent(renderer)
+                text, box = put(*places[0])
             boxes.append(box)
             placed.append((kind, n, *xy))
     fig.savefig(path, dpi=130)
